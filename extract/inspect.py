@@ -1,0 +1,107 @@
+"""Print a store's manifest and figures; --verify decodes every unit and checks it.
+
+    python -m extract.inspect STORE [--verify] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import numpy as np
+from tqdm import tqdm
+
+from shared import store as st
+
+
+def verify(path: str, progress: bool = True) -> list[str]:
+    """Every index entry inside its unit and non-overlapping; every unit marked done; every
+    array decodes and matches the checksum taken before compression; no NaN in kept samples."""
+    s = st.Store(path, require_complete=False)
+    lay = s.layout
+    problems = []
+    offsets, lengths = s.array("index/offset")[:], s.array("index/length")[:]
+    ok = s.array("index/ok")[:]
+    units = offsets // lay.shard_tokens
+    if (lengths <= 0).any():
+        problems.append(f"{int((lengths <= 0).sum())} samples with no tokens")
+    if ((offsets + lengths - 1) // lay.shard_tokens != units).any():
+        problems.append("a sample straddles two units")
+    order = np.argsort(offsets, kind="stable")
+    if (offsets[order][1:] < (offsets + lengths)[order][:-1]).any():
+        problems.append("samples overlap")
+    done = st.done_units(path)
+    for u in tqdm(range(lay.n_units), desc="verify", unit=" units", disable=not progress):
+        if u not in done:
+            problems.append(f"unit {u}: not written")
+            continue
+        sl = slice(u * lay.shard_tokens, (u + 1) * lay.shard_tokens)
+        for name, want in done[u]["crc32"].items():
+            got = st.crc(s.array(name)[sl])
+            if got != want:
+                problems.append(f"unit {u}: {name} checksum {got:08x} != {want:08x} written")
+        members = np.nonzero((units == u) & (ok == 1))[0]
+        if lay.precision == "bf16" and len(members):
+            h = st.bits_to_bf16(s.array("features/hidden")[sl])
+            for i in members:
+                lo = offsets[i] - u * lay.shard_tokens
+                if not h[lo:lo + lengths[i]].float().isfinite().all():
+                    problems.append(f"sample {i}: non-finite features")
+    return problems
+
+
+def describe(path: str) -> dict:
+    s = st.Store(path, require_complete=False)
+    man = dict(s.manifest)
+    man["target"] = {k: v for k, v in man["target"].items() if k != "config"}
+    done = st.done_units(path)
+    man["progress"] = {"units_done": len(done), "units": s.layout.n_units}
+    man["disk_bytes"] = s.disk_bytes()
+    return man
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m extract.inspect", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("store")
+    ap.add_argument("--verify", action="store_true", help="decode everything and check checksums")
+    ap.add_argument("--json", action="store_true", help="print the manifest as JSON only")
+    a = ap.parse_args(argv)
+    try:
+        info = describe(a.store)
+    except st.StoreError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if a.json:
+        print(json.dumps(info, indent=2))
+    else:
+        t, lay = info["target"], info["layout"]
+        print(f"store      {a.store}  (format {info['format_version']}, "
+              f"{'complete' if info['complete'] else 'INCOMPLETE'}: {info['progress']['units_done']}/"
+              f"{info['progress']['units']} units)")
+        print(f"target     {t['path']}  {t['model_type']}  layers {t['num_hidden_layers']}  hidden "
+              f"{t['hidden_size']}  vocab {t['vocab_size']}\n           weights {t['weights_fingerprint']}")
+        print(f"tokenizer  {info['tokenizer']['fingerprint']}")
+        print(f"layers     {info['layer_ids']}  ({info['layer_convention']})")
+        print(f"features   {info['precision']}  codec {info['codec']}  top-k {info['topk']}  "
+              f"max len {info['max_len']} ({info['too_long']})")
+        print(f"layout     {lay['n_samples']:,} samples in {lay['n_units']} units of {lay['shard_tokens']:,} "
+              f"tokens, chunks of {lay['chunk_tokens']} tokens")
+        print(f"data       {info['data']['spec']}  ({len(info['data']['files'])} file(s))")
+        if "summary" in info:
+            sm = info["summary"]
+            print(f"summary    {sm['samples']:,} samples  {sm['tokens']:,} tokens  skipped {sm['skipped'] or 'none'}")
+            print(f"disk       {info['disk_bytes'] / 2**20:,.1f} MiB  {sm['bytes_per_token']} B/token  "
+                  f"{sm['compression_vs_raw_bf16']}x vs raw bf16")
+    if a.verify:
+        problems = verify(a.store)
+        for p in problems[:50]:
+            print(f"PROBLEM {p}")
+        print(f"verify: {'OK' if not problems else f'{len(problems)} problem(s)'}")
+        return 1 if problems else 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

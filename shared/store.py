@@ -1,0 +1,305 @@
+"""The feature store: schema, creation, unit writes, reads. The only module that touches zarr.
+
+Layout (one Zarr v3 group; token arrays are concatenated over samples, no padding stored):
+
+    STORE/
+      zarr.json                       group; attributes["dflash"] = the manifest
+      tokens/input_ids   (T,)   int32
+      tokens/loss_mask   (T,)   uint8
+      features/hidden    (T, L, H) uint16 (bf16 bits) | uint8 (fp8 e4m3 bits)
+      features/scale     (T, L) float32   fp8 only: per token and layer, hidden = fp8 * scale
+      logits/topk_idx    (T, K) int32     target's top-K tokens, best first (argmax = [:, 0])
+      logits/topk_logp   (T, K) float16   their log-probabilities (logit - lse)
+      logits/lse         (T,)   float32   log-sum-exp over the full vocabulary (tail mass known)
+      index/offset       (N,)   int64     sample -> first token
+      index/length       (N,)   int32     sample -> token count
+      index/row          (N,)   int64     sample -> source row (within its file)
+      index/file         (N,)   int32     sample -> source file (names in the manifest)
+      index/ok           (N,)   uint8     0 for samples dropped at extraction (NaN features)
+      _progress/unit-XXXXXXX.json         one per finished unit, written atomically
+
+Units. The token axis is cut into units of `shard_tokens` tokens; every array's shard boundary
+is a unit boundary, and the planner never lets a sample straddle two units. A unit is written
+by exactly one worker in one call per array (whole shards: two writers never touch one shard,
+DESIGN.md section 8), then its marker file is renamed into `_progress/`. A unit without a
+marker is rewritten from scratch on resume, so nothing half-written can look complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+import zarr
+from zarr.codecs import BloscCodec, BloscShuffle, ZstdCodec
+from zarr.codecs.numcodecs import LZ4, Shuffle
+
+FORMAT_VERSION = 1
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+class StoreError(RuntimeError):
+    """A store that is missing, incomplete, or does not match what is asked of it."""
+
+
+# --- codecs -----------------------------------------------------------------------------
+
+def _codecs(name: str, itemsize: int):
+    """(filters, compressors) for a codec name. Byte shuffle groups the exponent bytes of
+    bf16 values together, which is where the redundancy is (DESIGN.md section 8)."""
+    if name == "none":
+        return (), ()
+    if name == "zstd1":
+        return (), (ZstdCodec(level=1),)
+    if name == "shuffle-zstd3":
+        return (Shuffle(elementsize=itemsize),), (ZstdCodec(level=3),)
+    if name.startswith("blosc-"):  # blosc-zstd1, blosc-zstd3, blosc-lz4: SIMD shuffle inside blosc
+        cname, level = name[len("blosc-"):-1], int(name[-1])
+        return (), (BloscCodec(cname=cname, clevel=level, shuffle=BloscShuffle.shuffle, typesize=itemsize),)
+    if name == "lz4":
+        return (), (LZ4(),)
+    raise ValueError(f"unknown codec {name!r}; choose one of {CODECS}")
+
+
+CODECS = ("blosc-zstd1", "blosc-zstd3", "shuffle-zstd3", "zstd1", "blosc-lz41", "lz4", "none")
+
+
+# --- schema -------------------------------------------------------------------------------
+
+@dataclass
+class Layout:
+    n_layers: int
+    hidden: int
+    topk: int
+    precision: str  # "bf16" | "fp8"
+    codec: str
+    shard_tokens: int
+    chunk_tokens: int
+    n_units: int
+    n_samples: int
+
+    @property
+    def capacity(self) -> int:
+        return self.n_units * self.shard_tokens
+
+    def arrays(self) -> dict[str, tuple[tuple[int, ...], str]]:
+        """name -> (per-token shape, dtype) for every token-axis array."""
+        L, H, K = self.n_layers, self.hidden, self.topk
+        a = {
+            "tokens/input_ids": ((), "int32"),
+            "tokens/loss_mask": ((), "uint8"),
+            "features/hidden": ((L, H), "uint16" if self.precision == "bf16" else "uint8"),
+            "logits/topk_idx": ((K,), "int32"),
+            "logits/topk_logp": ((K,), "float16"),
+            "logits/lse": ((), "float32"),
+        }
+        if self.precision == "fp8":
+            a["features/scale"] = ((L,), "float32")
+        return a
+
+
+INDEX_ARRAYS = {"index/offset": "int64", "index/length": "int32", "index/row": "int64",
+                "index/file": "int32", "index/ok": "uint8"}
+FEATURE_ARRAYS = ("features/hidden", "features/scale", "logits/topk_idx", "logits/topk_logp", "logits/lse")
+
+
+def create(path: Path, layout: Layout, manifest: dict) -> zarr.Group:
+    """Create an empty store with every array sized for `layout` and the manifest attached."""
+    root = zarr.open_group(store=str(path), mode="w", zarr_format=3)
+    S = layout.shard_tokens
+    for name, (shape, dtype) in layout.arrays().items():
+        itemsize = np.dtype(dtype).itemsize
+        # Big feature chunks keep compression efficient; small per-token arrays get longer chunks.
+        chunk = layout.chunk_tokens if name == "features/hidden" else min(S, max(layout.chunk_tokens, 4096))
+        filters, compressors = _codecs(layout.codec if name == "features/hidden" else "zstd1", itemsize)
+        root.create_array(name, shape=(layout.capacity, *shape), dtype=dtype,
+                          chunks=(chunk, *shape), shards=(S, *shape), filters=filters,
+                          compressors=compressors, fill_value=0,
+                          config={"write_empty_chunks": False})
+    n = max(layout.n_samples, 1)
+    for name, dtype in INDEX_ARRAYS.items():
+        root.create_array(name, shape=(layout.n_samples,), dtype=dtype, chunks=(min(n, 1 << 16),),
+                          shards=(min(n, 1 << 22),) if n > (1 << 16) else None,
+                          compressors=(ZstdCodec(level=3),), fill_value=0)
+    root.attrs["dflash"] = {**manifest, "format_version": FORMAT_VERSION, "layout": asdict(layout),
+                            "complete": False}
+    (Path(path) / "_progress").mkdir(exist_ok=True)
+    return root
+
+
+# --- dtype helpers --------------------------------------------------------------------------
+
+def bf16_to_bits(x: torch.Tensor) -> np.ndarray:
+    return x.to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint16)
+
+
+def bits_to_bf16(bits: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(bits).view(np.int16)).view(torch.bfloat16)
+
+
+def fp8_encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(..., H) -> e4m3 bits (uint8) and a float32 scale per row: x ~= fp8 * scale.
+    Rows are (token, layer), so each layer of each token gets its own scale."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1, keepdim=True).clamp_min(1e-12)
+    scale = amax / FP8_MAX
+    q = (xf / scale).to(torch.float8_e4m3fn)
+    return q.view(torch.uint8), scale.squeeze(-1)
+
+
+def fp8_decode(bits: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (bits.view(torch.float8_e4m3fn).float() * scale.unsqueeze(-1)).to(torch.bfloat16)
+
+
+def crc(a: np.ndarray) -> int:
+    return zlib.crc32(np.ascontiguousarray(a).view(np.uint8).reshape(-1)) & 0xFFFFFFFF
+
+
+# --- units ----------------------------------------------------------------------------------
+
+def marker_path(path: Path, unit: int) -> Path:
+    return Path(path) / "_progress" / f"unit-{unit:07d}.json"
+
+
+def done_units(path: Path) -> dict[int, dict]:
+    out = {}
+    for p in (Path(path) / "_progress").glob("unit-*.json"):
+        out[int(p.stem.split("-")[1])] = json.loads(p.read_text())
+    return out
+
+
+def write_unit(root: zarr.Group, path: Path, unit: int, arrays: dict[str, np.ndarray], info: dict):
+    """Write one unit's feature arrays (full shards) then mark it done atomically."""
+    layout = Layout(**root.attrs["dflash"]["layout"])
+    lo, hi = unit * layout.shard_tokens, (unit + 1) * layout.shard_tokens
+    checks = {}
+    for name, data in arrays.items():
+        assert data.shape[0] == layout.shard_tokens, (name, data.shape)
+        root[name][lo:hi] = data
+        checks[name] = crc(data)
+    info = {**info, "unit": unit, "crc32": checks}
+    dst = marker_path(path, unit)
+    tmp = dst.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(info))
+    os.replace(tmp, dst)  # the marker appears only after every shard of the unit is written
+
+
+# --- reading --------------------------------------------------------------------------------
+
+@dataclass
+class Sample:
+    input_ids: torch.Tensor      # (S,) int64
+    loss_mask: torch.Tensor      # (S,) bool
+    hidden: torch.Tensor         # (S, L, H) bf16, layers as selected
+    topk_idx: torch.Tensor       # (S, K) int64
+    topk_logp: torch.Tensor      # (S, K) float32
+    lse: torch.Tensor            # (S,) float32
+    index: int = 0
+    meta: dict = field(default_factory=dict)
+
+
+class Store:
+    """Read-only view of a store. Opening costs the same for any number of samples: only the
+    manifest is read; the index is read a chunk at a time as samples are asked for."""
+
+    def __init__(self, path: str | Path, require_complete: bool = True):
+        self.path = Path(path)
+        if not (self.path / "zarr.json").exists():
+            partial = self.path.with_name(self.path.name + ".partial")
+            hint = f" (a planning run was interrupted: {partial} exists)" if partial.exists() else ""
+            raise StoreError(f"{self.path}: not a feature store (no zarr.json){hint}")
+        self.root = zarr.open_group(store=str(self.path), mode="r")
+        man = self.root.attrs.get("dflash")
+        if man is None:
+            raise StoreError(f"{self.path}: a zarr group but not a feature store (no 'dflash' manifest)")
+        if man.get("format_version") != FORMAT_VERSION:
+            raise StoreError(f"{self.path}: format version {man.get('format_version')}, "
+                             f"this code reads {FORMAT_VERSION}")
+        if require_complete and not man.get("complete"):
+            n_done = len(list((self.path / "_progress").glob("unit-*.json")))
+            raise StoreError(f"{self.path}: extraction is not complete ({n_done} of "
+                             f"{man['layout']['n_units']} units written); rerun the same extract "
+                             f"command to finish it")
+        self.manifest = man
+        self.layout = Layout(**man["layout"])
+        self.layer_ids: list[int] = list(man["layer_ids"])
+        self._arr = {}
+        self._index_cache: dict[tuple[str, int], np.ndarray] = {}
+
+    def __len__(self) -> int:
+        return self.layout.n_samples
+
+    def array(self, name: str):
+        if name not in self._arr:
+            self._arr[name] = self.root[name]
+        return self._arr[name]
+
+    def _index(self, name: str, i: int) -> int:
+        arr = self.array(name)
+        c = arr.chunks[0]
+        key = (name, i // c)
+        block = self._index_cache.get(key)
+        if block is None:
+            if len(self._index_cache) > 256:
+                self._index_cache.clear()
+            block = self._index_cache[key] = arr[(i // c) * c:(i // c + 1) * c]
+        return int(block[i % c])
+
+    def span(self, i: int) -> tuple[int, int]:
+        if not 0 <= i < len(self):
+            raise IndexError(f"sample {i} out of range (store has {len(self)})")
+        off = self._index("index/offset", i)
+        return off, off + self._index("index/length", i)
+
+    def ok(self, i: int) -> bool:
+        return bool(self._index("index/ok", i))
+
+    def layer_positions(self, layer_ids: list[int] | None) -> list[int]:
+        if layer_ids is None:
+            return list(range(len(self.layer_ids)))
+        missing = [l for l in layer_ids if l not in self.layer_ids]
+        if missing:
+            raise StoreError(f"{self.path}: layers {missing} are not in the store; it holds "
+                             f"layers {self.layer_ids} (asked for {list(layer_ids)})")
+        return [self.layer_ids.index(l) for l in layer_ids]
+
+    def tokens(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        lo, hi = self.span(i)
+        return self.array("tokens/input_ids")[lo:hi], self.array("tokens/loss_mask")[lo:hi]
+
+    def read(self, i: int, layer_ids: list[int] | None = None, features: bool = True) -> Sample:
+        lo, hi = self.span(i)
+        pos = self.layer_positions(layer_ids)
+        ids, mask = self.array("tokens/input_ids")[lo:hi], self.array("tokens/loss_mask")[lo:hi]
+        hidden = torch.empty(0)
+        if features:
+            full = len(pos) == self.layout.n_layers and pos == sorted(pos)
+            sel = slice(None) if full else pos
+            raw = self.array("features/hidden")[lo:hi] if full else \
+                self.array("features/hidden").get_orthogonal_selection((slice(lo, hi), sel, slice(None)))
+            if self.layout.precision == "bf16":
+                hidden = bits_to_bf16(raw)
+            else:
+                scale = self.array("features/scale")[lo:hi][:, pos]
+                hidden = fp8_decode(torch.from_numpy(raw), torch.from_numpy(scale))
+        return Sample(
+            input_ids=torch.from_numpy(ids.astype(np.int64)),
+            loss_mask=torch.from_numpy(mask.astype(bool)),
+            hidden=hidden,
+            topk_idx=torch.from_numpy(self.array("logits/topk_idx")[lo:hi].astype(np.int64)),
+            topk_logp=torch.from_numpy(self.array("logits/topk_logp")[lo:hi].astype(np.float32)),
+            lse=torch.from_numpy(self.array("logits/lse")[lo:hi]),
+            index=i,
+        )
+
+    def lengths(self) -> np.ndarray:
+        """All sample lengths: O(N) and read on demand only (the loader buckets by it)."""
+        return self.array("index/length")[:]
+
+    def disk_bytes(self) -> int:
+        return sum(f.stat().st_size for f in self.path.rglob("*") if f.is_file())

@@ -1,0 +1,166 @@
+"""Target checkpoints: validation, loading, the layer-id convention, fingerprints, and loading
+only `embed_tokens` / `lm_head` for the trainer.
+
+Layer-id convention (DESIGN.md section 2): layer id i is the output of decoder layer i, i.e.
+HF `hidden_states[i + 1]`. vLLM numbers the same layers one higher.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+import sys
+from pathlib import Path
+
+import torch
+
+SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3")
+LAYER_CONVENTION = "layer id i = output of decoder layer i = HF hidden_states[i+1]"
+
+
+class TargetError(RuntimeError):
+    pass
+
+
+def default_layer_ids(num_target_layers: int, num_draft_layers: int = 5) -> list[int]:
+    """DFlash's default: layer 1 to layer L-3 evenly spaced; [L//2] for a single layer."""
+    L, n = num_target_layers, num_draft_layers
+    if n == 1:
+        return [L // 2]
+    ids = [round(1 + i * (L - 4) / (n - 1)) for i in range(n)]
+    # Tiny targets can collapse ids together: keep them distinct and in range.
+    return sorted(set(min(max(i, 0), L - 1) for i in ids))
+
+
+def read_config(path: str | Path) -> dict:
+    """The target's text config as a dict, after checking that it is a supported checkpoint."""
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if not path.exists():
+        raise TargetError(f"TARGET {path}: no such directory")
+    if not cfg_file.exists():
+        raise TargetError(f"TARGET {path}: not a Hugging Face checkpoint directory (no config.json)")
+    try:
+        cfg = json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise TargetError(f"TARGET {cfg_file}: invalid JSON ({e})") from None
+    mt = cfg.get("model_type")
+    if mt not in SUPPORTED_MODEL_TYPES:
+        raise TargetError(f"TARGET {cfg_file}: model_type {mt!r} is not supported "
+                          f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    text = cfg.get("text_config", cfg) if mt == "qwen3_5" else cfg
+    for key in ("num_hidden_layers", "hidden_size", "vocab_size"):
+        if key not in text:
+            raise TargetError(f"TARGET {cfg_file}: field {key!r} missing")
+    if not list(path.glob("*.safetensors")):
+        raise TargetError(f"TARGET {path}: no *.safetensors weights")
+    return {**text, "model_type": mt, "tie_word_embeddings": cfg.get("tie_word_embeddings",
+                                                                      text.get("tie_word_embeddings", False))}
+
+
+def use_torch_kernels_on_cpu():
+    """Keep transformers off fla on CPU. With fla and triton installed, transformers binds fla's
+    Triton kernels when the Qwen3.5 modeling module is imported, whatever the device, and every
+    CPU forward fails ("0 active drivers"). Hiding fla before that import binds the torch path."""
+    mod = sys.modules.get("transformers.models.qwen3_5.modeling_qwen3_5")
+    if mod is not None and "fla" in sys.modules and sys.modules["fla"] is not None:
+        raise TargetError("transformers' Qwen3.5 modeling was already imported with fla kernels in "
+                          "this process; a CPU forward would fail. Load the target on CPU first.")
+    sys.modules["fla"] = None  # makes `import fla` raise ImportError -> torch fallback
+
+
+def load_tokenizer(path: str | Path):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(str(path))
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    return tok
+
+
+def load_target(path: str | Path, device: torch.device, dtype: torch.dtype):
+    read_config(path)
+    if device.type == "cpu":
+        use_torch_kernels_on_cpu()
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    return model.to(device).eval().requires_grad_(False)
+
+
+def decoder_layers(model) -> torch.nn.ModuleList:
+    inner = model.model
+    return inner.language_model.layers if hasattr(inner, "language_model") else inner.layers
+
+
+# --- fingerprints ---------------------------------------------------------------------------
+
+def _safetensors_header(f: Path) -> bytes:
+    with f.open("rb") as fh:
+        n = struct.unpack("<Q", fh.read(8))[0]
+        return fh.read(n)
+
+
+def weights_fingerprint(path: str | Path) -> str:
+    """sha256 over each safetensors file's header (names, dtypes, shapes, offsets), its size, and
+    its first and last MiB of tensor bytes: cheap on 50 GB of weights, and changes when weights do
+    in practice (same-shape retrains change the sampled bytes)."""
+    h = hashlib.sha256()
+    for f in sorted(Path(path).glob("*.safetensors")):
+        h.update(f.name.encode())
+        h.update(_safetensors_header(f))
+        size = f.stat().st_size
+        h.update(str(size).encode())
+        with f.open("rb") as fh:
+            h.update(fh.read(1 << 20))
+            fh.seek(max(0, size - (1 << 20)))
+            h.update(fh.read(1 << 20))
+    return "sha256:" + h.hexdigest()
+
+
+def tokenizer_fingerprint(tokenizer) -> str:
+    h = hashlib.sha256()
+    h.update(tokenizer.backend_tokenizer.to_str().encode() if hasattr(tokenizer, "backend_tokenizer")
+             else json.dumps(tokenizer.get_vocab(), sort_keys=True).encode())
+    h.update((tokenizer.chat_template or "").encode() if isinstance(tokenizer.chat_template, (str, type(None)))
+             else json.dumps(tokenizer.chat_template, sort_keys=True).encode())
+    return "sha256:" + h.hexdigest()
+
+
+# --- embed / lm_head only -------------------------------------------------------------------
+
+def _tensor_index(path: Path) -> dict[str, Path]:
+    idx = path / "model.safetensors.index.json"
+    if idx.exists():
+        return {k: path / v for k, v in json.loads(idx.read_text())["weight_map"].items()}
+    out = {}
+    for f in path.glob("*.safetensors"):
+        for k in json.loads(_safetensors_header(f)):
+            if k != "__metadata__":
+                out[k] = f
+    return out
+
+
+def load_embed_and_head(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
+    """(embed_tokens.weight, lm_head.weight) read straight from the safetensors files: the rest
+    of the target is never loaded."""
+    from safetensors import safe_open
+    path = Path(path)
+    cfg = read_config(path)
+    index = _tensor_index(path)
+
+    def find(suffix: str) -> str | None:
+        hits = [k for k in index if k.endswith(suffix) and "visual" not in k and "mtp" not in k]
+        return min(hits, key=len) if hits else None
+
+    emb_key, head_key = find("embed_tokens.weight"), find("lm_head.weight")
+    if emb_key is None:
+        raise TargetError(f"TARGET {path}: no embed_tokens.weight tensor in its safetensors")
+    if head_key is None and not cfg["tie_word_embeddings"]:
+        raise TargetError(f"TARGET {path}: no lm_head.weight tensor and embeddings are not tied")
+
+    def load(key):
+        with safe_open(str(index[key]), framework="pt") as f:
+            return f.get_tensor(key)
+
+    emb = load(emb_key)
+    return emb, (load(head_key) if head_key else emb)

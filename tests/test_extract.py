@@ -1,0 +1,209 @@
+"""End to end: the store written by extract, read back, resumed, shared by two writers."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import extract_cfg, read_all
+from extract.__main__ import ExtractError, assign_units, run
+from extract.features import forward_features
+from shared import store as st
+from shared.target import load_target
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny, tmp_path_factory):
+    """One uninterrupted single-worker run, one sequence per forward."""
+    store = tmp_path_factory.mktemp("ref") / "store"
+    summary = run(extract_cfg(tiny, store, max_batch=1))
+    return store, summary
+
+
+def test_assign_units_never_straddles():
+    offs, n = assign_units([300, 500, 300, 1000, 24, 1], 1024)
+    assert n == 4  # in order: [300, 500] [300] [1000, 24] [1]
+    assert offs.tolist() == [0, 300, 1024, 2048, 3048, 3072]
+    for o, l in zip(offs, [300, 500, 300, 1000, 24, 1]):
+        assert o // 1024 == (o + l - 1) // 1024
+
+
+def test_round_trip_equals_target_output_bf16_exact(tiny, reference):
+    store, summary = reference
+    s = st.Store(store)
+    assert summary["samples"] == len(s) == len(tiny["rows"]) and summary["skipped"] == {}
+    model = load_target(tiny["target"], torch.device("cpu"), torch.float32)
+    layer_ids = s.layer_ids
+    assert layer_ids == [0, 1, 3]
+    for i in (0, 5, len(s) - 1):
+        sample = s.read(i)
+        ids = sample.input_ids[None]
+        hidden, idx, logp, lse, ok = forward_features(model, ids, torch.ones_like(ids), [ids.shape[1]],
+                                                      layer_ids, topk=8)
+        assert torch.equal(sample.hidden.view(torch.int16), hidden.bfloat16().view(torch.int16))
+        assert torch.equal(sample.topk_idx, idx)
+        assert torch.equal(sample.lse, lse)
+        assert torch.equal(sample.topk_logp, logp.half().float())
+        # a layer subset is read without touching the others
+        sub = s.read(i, layer_ids=[3, 0])
+        assert torch.equal(sub.hidden[:, 0], sample.hidden[:, 2]) and torch.equal(sub.hidden[:, 1], sample.hidden[:, 0])
+    with pytest.raises(st.StoreError, match=r"layers \[2\] are not in the store"):
+        s.read(0, layer_ids=[0, 2])
+
+
+def test_index_points_back_to_source_rows(tiny, reference):
+    s = st.Store(reference[0])
+    tok = tiny["tokenizer"]
+    for i in (0, 7):
+        row = int(s.array("index/row")[i])
+        ids, mask = s.tokens(i)
+        text = tok.decode(ids[mask.astype(bool)])  # the assistant turn, cut at max_len if too long
+        assert len(text) > 20 and (tiny["rows"][row]["messages"][1]["content"] + "<|im_end|>").startswith(text)
+
+
+def test_fp8_within_documented_error(tiny, reference, tmp_path):
+    store = tmp_path / "fp8"
+    run(extract_cfg(tiny, store, max_batch=1, precision="fp8"))
+    a, b = st.Store(reference[0]), st.Store(store)
+    assert b.manifest["precision"] == "fp8"
+    for i in (0, 3):
+        x, y = a.read(i).hidden.float(), b.read(i).hidden
+        assert y.dtype == torch.bfloat16
+        amax = x.abs().amax(-1, keepdim=True)
+        # e4m3: 3 mantissa bits -> relative error <= 2^-4 for normals; subnormals below
+        # amax/448 * 2^-6 have absolute error <= amax/448 * 2^-9; plus bf16 output rounding 2^-8.
+        bound = x.abs() * (2 ** -4 + 2 ** -8) + amax / 448 * 2 ** -9 + 1e-6
+        assert ((y.float() - x).abs() <= bound).all()
+        assert torch.equal(a.read(i).topk_idx, b.read(i).topk_idx)
+    assert b.disk_bytes() < a.disk_bytes()
+
+
+def test_two_workers_write_one_store_identically(tiny, reference, tmp_path):
+    store = tmp_path / "two"
+    run(extract_cfg(tiny, store, max_batch=1, cpu_workers=2))
+    done = st.done_units(store)
+    assert {m["rank"] for m in done.values()} == {0, 1}  # both workers really wrote
+    ref, got = read_all(reference[0]), read_all(store)
+    assert ref.keys() == got.keys()
+    for k in ref:
+        assert np.array_equal(ref[k], got[k]), k
+
+
+def test_batched_store_matches_single_to_bf16_rounding(tiny, reference, tmp_path):
+    store = tmp_path / "batched"
+    run(extract_cfg(tiny, store, max_batch=16))
+    a, b = st.Store(reference[0]), st.Store(store)
+    for i in range(len(a)):
+        x, y = a.read(i), b.read(i)
+        diff = (x.hidden.float() - y.hidden.float()).abs()
+        assert (diff <= x.hidden.float().abs() * 2 ** -7 + 1e-6).all(), i
+        assert torch.equal(x.input_ids, y.input_ids)
+
+
+def _extract_cmd(tiny, store):
+    return [sys.executable, "-m", "extract", "--data", str(tiny["corpus"]), "--target", str(tiny["target"]),
+            "--store", str(store), "--layers", "0,1,3", "--max-len", "256", "--shard-tokens", "1024",
+            "--batch-tokens", "1024", "--max-batch", "1", "--topk", "8", "--no-progress"]
+
+
+def test_kill_9_then_resume_equals_uninterrupted(tiny, reference, tmp_path):
+    store = tmp_path / "killed"
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    n_units = st.Store(reference[0]).layout.n_units
+    proc = subprocess.Popen(_extract_cmd(tiny, store), cwd=REPO, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while time.time() < deadline:
+        if (store / "_progress").exists() and len(list((store / "_progress").glob("unit-*.json"))) >= 2:
+            break
+        time.sleep(0.05)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    n_done = len(st.done_units(store))
+    assert 0 < n_done < n_units, "the kill must land part-way"
+    with pytest.raises(st.StoreError, match="not complete"):
+        st.Store(store)
+    res = subprocess.run(_extract_cmd(tiny, store), cwd=REPO, env=env, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    assert "resuming" in res.stderr
+    ref, got = read_all(reference[0]), read_all(store)
+    for k in ref:
+        assert np.array_equal(ref[k], got[k]), k
+    # A third run finds nothing to do.
+    res = subprocess.run(_extract_cmd(tiny, store), cwd=REPO, env=env, capture_output=True, text=True)
+    assert res.returncode == 0 and "already complete" in res.stderr
+
+
+def test_interrupted_planning_leaves_no_store(tiny, tmp_path):
+    store = tmp_path / "s"
+    partial = tmp_path / "s.partial"
+    partial.mkdir()
+    (partial / "junk").write_text("half a plan")
+    run(extract_cfg(tiny, store))
+    assert not partial.exists() and st.Store(store).manifest["complete"]
+
+
+def test_resume_with_other_settings_refuses_and_leaves_store_intact(tiny, reference, tmp_path):
+    import shutil
+    store = tmp_path / "copy"
+    shutil.copytree(reference[0], store)
+    before = read_all(store)
+    with pytest.raises(ExtractError, match=r"topk: store has 8, asked 4"):
+        run(extract_cfg(tiny, store, max_batch=1, topk=4))
+    other = tmp_path / "other.jsonl"
+    other.write_text(tiny["corpus"].read_text().splitlines()[0] + "\n")
+    with pytest.raises(ExtractError, match="DATA files differ"):
+        run(extract_cfg(tiny, store, data=str(other)))
+    after = read_all(store)
+    assert all(np.array_equal(before[k], after[k]) for k in before)
+
+
+def test_nan_sample_dropped_and_named(tiny, tmp_path, monkeypatch, capsys):
+    import extract.worker as w
+    real = w.forward_features
+    calls = {"n": 0}
+
+    def poisoned(*a, **kw):
+        hidden, idx, logp, lse, ok = real(*a, **kw)
+        calls["n"] += 1
+        if calls["n"] == 3:  # third forward = one sample (max_batch=1)
+            hidden[0, 0, 0] = float("nan")
+            ok[:] = False
+        return hidden, idx, logp, lse, ok
+
+    monkeypatch.setattr(w, "forward_features", poisoned)
+    store = tmp_path / "nan"
+    summary = run(extract_cfg(tiny, store, max_batch=1))
+    assert summary["skipped"] == {"nan_features": 1}
+    assert summary["samples"] == len(tiny["rows"]) - 1
+    ok = st.Store(store).array("index/ok")[:]
+    assert ok.sum() == len(ok) - 1
+    err = capsys.readouterr().err
+    assert "NaN/inf features" in err and "chat.jsonl row" in err
+
+
+def test_verify_passes_and_catches_corruption(tiny, reference, tmp_path):
+    import shutil
+    from extract.inspect import main as inspect_main, verify
+    store = tmp_path / "v"
+    shutil.copytree(reference[0], store)
+    assert verify(str(store), progress=False) == []
+    assert inspect_main([str(store)]) == 0
+    # Overwrite one unit's hidden states with other values through zarr: decodes fine, checksum differs.
+    g = st.zarr.open_group(str(store), mode="r+")
+    S = st.Store(store).layout.shard_tokens
+    g["features/hidden"][S:S + 10] = 7
+    problems = verify(str(store), progress=False)
+    assert any("unit 1: features/hidden checksum" in p for p in problems)
+    (store / "_progress" / "unit-0000000.json").unlink()
+    assert any("unit 0: not written" in p for p in verify(str(store), progress=False))

@@ -1,0 +1,87 @@
+"""The target forward that makes features, against plain references."""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+
+from extract.features import forward_features, pad_batch
+from shared.target import load_target
+
+
+def _model(tiny):
+    return load_target(tiny["target"], torch.device("cpu"), torch.float32)
+
+
+def test_cpu_path_never_routes_into_fla(tiny):
+    """With fla and triton installed (the test environment has both), an unguarded CPU forward
+    fails inside fla's Triton kernels ("0 active drivers"). Through load_target it runs."""
+    from importlib.metadata import version
+    assert version("flash-linear-attention") and version("triton")  # the case being tested
+    model = _model(tiny)
+    out = model(torch.randint(0, 500, (2, 70)))  # > 64 tokens: the chunked DeltaNet path
+    assert torch.isfinite(out.logits).all()
+    assert sys.modules.get("fla") is None
+
+
+def test_layer_ids_follow_hf_hidden_states_plus_one(tiny):
+    model = _model(tiny)
+    torch.manual_seed(0)
+    ids = torch.randint(0, 500, (1, 37))
+    ref = model(ids, output_hidden_states=True).hidden_states
+    hidden, *_ = forward_features(model, ids, torch.ones_like(ids), [37], [0, 1, 2], topk=4)
+    for j, layer in enumerate([0, 1, 2]):  # the last layer's HF entry is post-norm: not compared
+        torch.testing.assert_close(hidden[:, j], ref[layer + 1][0], rtol=1e-5, atol=1e-5)
+
+
+def test_topk_and_lse_against_full_logits(tiny):
+    model = _model(tiny)
+    ids = torch.randint(0, 500, (1, 50))
+    logits = model(ids).logits[0].float()
+    _, idx, logp, lse, ok = forward_features(model, ids, torch.ones_like(ids), [50], [1], topk=5, logit_chunk=16)
+    torch.testing.assert_close(lse, torch.logsumexp(logits, -1), rtol=1e-5, atol=1e-5)
+    ref_v, ref_i = (logits.log_softmax(-1)).topk(5, dim=-1)
+    assert torch.equal(idx, ref_i)
+    torch.testing.assert_close(logp, ref_v, rtol=1e-5, atol=1e-5)
+    assert torch.equal(idx[:, 0], logits.argmax(-1)) and ok.all()
+
+
+def test_batched_with_padding_equals_one_at_a_time(tiny):
+    """The trainer-killing bug of DESIGN.md section 7: padding must not leak into features."""
+    model = _model(tiny)
+    torch.manual_seed(1)
+    seqs = [torch.randint(0, 500, (n,)) for n in (41, 7, 64, 23)]
+    ids, att = pad_batch(seqs, pad_id=0)
+    layers = [0, 1, 3]
+    hb, ib, lb, eb, _ = forward_features(model, ids, att, [len(s) for s in seqs], layers, topk=4)
+    pos = 0
+    for s in seqs:
+        n = len(s)
+        hs, is_, ls, es, _ = forward_features(model, s[None], torch.ones(1, n, dtype=torch.long), [n], layers, topk=4)
+        # fp32 compute: agreement far below one bf16 ulp, so the stored bf16 values agree too.
+        torch.testing.assert_close(hb[pos:pos + n], hs, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(eb[pos:pos + n], es, rtol=1e-5, atol=1e-5)
+        assert torch.equal(ib[pos:pos + n, 0], is_[:, 0])
+        b16 = (hb[pos:pos + n].bfloat16().float() - hs.bfloat16().float()).abs()
+        ulp = hs.abs().bfloat16().float() * 2 ** -7
+        assert (b16 <= ulp + 1e-6).all()
+        pos += n
+    assert pos == hb.shape[0]
+
+
+def test_nan_features_flag_the_sample(tiny):
+    model = _model(tiny)
+    seqs = [torch.randint(0, 500, (n,)) for n in (10, 12)]
+    ids, att = pad_batch(seqs, 0)
+    layer = model.model.layers[1]
+
+    def poison(_m, _i, out):  # in place, returning None so the output object is kept
+        (out[0] if isinstance(out, tuple) else out)[1, 3, 0] = float("nan")
+
+    h = layer.register_forward_hook(poison)
+    try:
+        *_, ok = forward_features(model, ids, att, [10, 12], [1], topk=2)
+    finally:
+        h.remove()
+    assert ok.tolist() == [True, False]
