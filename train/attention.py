@@ -1,0 +1,45 @@
+"""Attention backends for the drafter, all fed from train.mask's one mask definition.
+
+- flex: flex_attention with a BlockMask (GPU default). With `--compile attention` only this call
+  is compiled (the fused kernel; eager flex materialises the score matrix, DESIGN.md section 5).
+- sdpa: scaled_dot_product_attention with the dense boolean mask (CPU, where flex_attention has
+  no backward; also the reference the flex path is tested against).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.flex_attention import flex_attention
+
+from train.mask import block_mask, dense_mask, make_mask_mod
+
+
+@functools.cache
+def compiled_flex():
+    return torch.compile(flex_attention, dynamic=False)
+
+
+def attend(q, k, v, mask, backend: str):
+    """q: (B, nh, Q, D); k, v: (B, nkv, KV, D); mask: BlockMask (flex) or (B, 1, Q, KV) bool."""
+    if backend == "sdpa":
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+    fn = compiled_flex() if backend == "flex_compiled" else flex_attention
+    return fn(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def build_masks(batch: dict, block: int, window: int | None, need_sliding: bool, backend: str, device) -> dict:
+    """{"full": mask, "sliding": mask or None} for one batch."""
+    anchors, valid, doc = batch["anchors"], batch["anchor_valid"], batch["doc"]
+    B, A = anchors.shape
+    Q, KV = A * block, doc.shape[1] + A * block
+    out = {}
+    for name, w in (("full", None), ("sliding", window if need_sliding else None)):
+        if name == "sliding" and not need_sliding:
+            out[name] = None
+            continue
+        mod = make_mask_mod(anchors, valid, doc, block, w)
+        out[name] = dense_mask(mod, B, Q, KV, device) if backend == "sdpa" else block_mask(mod, B, Q, KV, device)
+    return out

@@ -1,0 +1,60 @@
+"""Export to the public DFlash layout, and load it back.
+
+config.json: a Qwen3 config plus `block_size`, `num_target_layers`, `dflash_config:
+{target_layer_ids, mask_token_id, block_size}`, `architectures: ["DFlashDraftModel"]`.
+model.safetensors: `layers.{i}.self_attn.{q,k,v,o}_proj.weight`, ..., `fc.weight`,
+`hidden_norm.weight`, `norm.weight` (DESIGN.md section 3), in bf16.
+
+    python -m train.export RUN_DIR/checkpoints/step-00000100.pt OUT_DIR
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from train.config import DrafterConfig
+from train.model import DFlashDrafter
+
+
+def export(model: DFlashDrafter, out: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+    out = Path(out)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    (tmp / "config.json").write_text(json.dumps(model.cfg.to_hf(), indent=2))
+    state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in model.state_dict().items()}
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    return out
+
+
+def load_drafter(path: str | Path, backend: str = "sdpa", dtype: torch.dtype = torch.float32) -> DFlashDrafter:
+    path = Path(path)
+    cfg = DrafterConfig.load(path / "config.json")
+    model = DFlashDrafter(cfg, backend=backend)
+    model.load_state_dict({k: v.to(dtype) for k, v in load_file(str(path / "model.safetensors")).items()})
+    return model.to(dtype)
+
+
+def main(argv=None) -> int:
+    argv = argv if argv is not None else sys.argv[1:]
+    if len(argv) != 2:
+        print(__doc__, file=sys.stderr)
+        return 2
+    ck = torch.load(argv[0], map_location="cpu", weights_only=False)
+    model = DFlashDrafter(DrafterConfig(**ck["drafter"]))
+    model.load_state_dict(ck["model"])
+    print(export(model, argv[1]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

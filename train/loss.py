@@ -1,0 +1,102 @@
+"""Slot targets, the decayed loss and the metrics people watch (DESIGN.md section 4.4-4.6)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+
+def slot_targets(batch: dict, block: int, gamma: float, labels: str):
+    """For every (row, anchor, slot): the label, the loss weight, the target's own choice there,
+    and whether the slot counts for metrics. Slot k of anchor a predicts the token at a + k."""
+    anchors, valid = batch["anchors"], batch["anchor_valid"]          # (B, A)
+    ids, lm, doc, amax = batch["input_ids"], batch["loss_mask"], batch["doc"], batch["argmax"]  # (B, S)
+    B, S = ids.shape
+    k = torch.arange(block, device=ids.device)
+    t = anchors[..., None] + k                                       # (B, A, Bk)
+    tc = t.clamp(max=S - 1)
+    prev = (tc - 1).clamp(min=0)
+    g = lambda x, i: torch.gather(x, 1, i.reshape(B, -1)).reshape(i.shape)
+    a_doc = g(doc, anchors)[..., None]
+    live = valid[..., None] & (t < S) & (g(doc, tc) == a_doc) & g(lm, tc).bool() & (k >= 1)
+    target_choice = g(amax, prev)       # the target's argmax at a+k-1 = its prediction of token a+k
+    label = g(ids, tc) if labels in ("data", "distill") else target_choice
+    decay = torch.exp(-(k - 1).clamp(min=0).float() / gamma)
+    weight = live.float() * decay
+    out = {"label": label, "weight": weight, "live": live, "target_choice": target_choice}
+    if labels == "distill":
+        out["soft_idx"] = torch.gather(batch["topk_idx"], 1, prev.reshape(B, -1, 1).expand(-1, -1, batch["topk_idx"].shape[-1])).reshape(*prev.shape, -1)
+        out["soft_logp"] = torch.gather(batch["topk_logp"], 1, prev.reshape(B, -1, 1).expand(-1, -1, batch["topk_logp"].shape[-1])).reshape(*prev.shape, -1)
+    return out
+
+
+def _row_loss(h, head, label, soft_idx, soft_logp):
+    logits = (h @ head.T).float()
+    pred = logits.argmax(-1)
+    if soft_idx is None:
+        return F.cross_entropy(logits, label, reduction="none"), pred
+    # Distillation from the stored top-k: cross-entropy over the (K+1)-way coarse distribution
+    # (the K stored tokens and the tail), which is exact for what the store knows.
+    logq = logits.log_softmax(-1)
+    q_top = logq.gather(-1, soft_idx)
+    p_top = soft_logp.exp()
+    p_tail = (1 - p_top.sum(-1)).clamp(min=0)
+    q_tail = torch.log1p(-q_top.exp().sum(-1).clamp(max=1 - 1e-6))
+    return -(p_top * q_top).sum(-1) - p_tail * q_tail, pred
+
+
+def chunked_loss(hidden: torch.Tensor, head: torch.Tensor, tg: dict, chunk: int):
+    """Sum of weight * CE over all slots, and the drafter's argmax per slot. The LM head runs in
+    row chunks under activation checkpointing: full (rows, vocab) logits never exist at once."""
+    N = hidden.shape[0] * hidden.shape[1]
+    h = hidden.reshape(N, -1)
+    label = tg["label"].reshape(N)
+    w = tg["weight"].reshape(N)
+    soft_idx = tg.get("soft_idx")
+    soft_logp = tg.get("soft_logp")
+    total = hidden.new_zeros((), dtype=torch.float32)
+    preds = []
+    for lo in range(0, N, chunk):
+        sl = slice(lo, lo + chunk)
+        si = None if soft_idx is None else soft_idx.reshape(N, -1)[sl]
+        sp = None if soft_logp is None else soft_logp.reshape(N, -1)[sl]
+        if torch.is_grad_enabled():
+            ce, pred = checkpoint(_row_loss, h[sl], head, label[sl], si, sp, use_reentrant=False)
+        else:
+            ce, pred = _row_loss(h[sl], head, label[sl], si, sp)
+        total = total + (ce * w[sl]).sum()
+        preds.append(pred)
+    return total, torch.cat(preds).reshape(tg["label"].shape)
+
+
+def slot_stats(pred: torch.Tensor, tg: dict, block: int) -> torch.Tensor:
+    """(3, block) counts: live slots, drafter == label, drafter == target's own choice."""
+    live = tg["live"].float()
+    return torch.stack([
+        live.sum(dim=(0, 1)),
+        ((pred == tg["label"]).float() * live).sum(dim=(0, 1)),
+        ((pred == tg["target_choice"]).float() * live).sum(dim=(0, 1)),
+    ])
+
+
+def acceptance_length(acc: list[float]) -> float:
+    """Expected acceptance length 1 + sum_k prod_{i<=k} acc_i over slots 1..block-1."""
+    tau, run = 1.0, 1.0
+    for a in acc:
+        run *= a
+        tau += run
+    return tau
+
+
+def metrics_from_stats(stats: torch.Tensor) -> dict:
+    n = stats[0, 1:].clamp(min=1)
+    acc = (stats[2, 1:] / n).tolist()
+    return {"acc": [round(a, 4) for a in acc], "acc_label": [round(a, 4) for a in (stats[1, 1:] / n).tolist()],
+            "tau": round(acceptance_length(acc), 4)}
+
+
+def decay_weights(block: int, gamma: float) -> list[float]:
+    return [0.0] + [math.exp(-(k - 1) / gamma) for k in range(1, block)]

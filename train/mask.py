@@ -1,0 +1,76 @@
+"""Anchors and the DFlash attention mask: one definition, two forms (flex BlockMask, dense bool).
+
+Query row q = j * block + k is slot k of block j (anchor a_j). Key/value index kv < S is a
+context position of the row; kv >= S is slot (kv - S) % block of block (kv - S) // block.
+
+A query of block j sees:
+  - context positions kv < a_j of the same document (the anchor's own hidden state is not
+    visible, as at inference). Visibility compares positions with the anchor, never block
+    indices, so overlapping blocks cannot leak future context (DESIGN.md section 3/4);
+  - on sliding-window layers, additionally kv >= a_j + k - (W - 1): the window of the slot's
+    own position a_j + k, as the reference inference code's sliding attention gives it;
+  - every slot of its own block (bidirectional inside the block);
+  - nothing of any other block.
+Padded anchors (valid = False) see only their own block, so no row is empty (SDPA would
+return NaN for an all-masked row); they carry no loss.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def eligible_positions(loss_mask: torch.Tensor, doc: torch.Tensor) -> torch.Tensor:
+    """Positions p with loss at p and p+1 in the same document (DESIGN.md section 4.1)."""
+    ok = loss_mask[:-1].bool() & loss_mask[1:].bool() & (doc[:-1] == doc[1:]) & (doc[:-1] >= 0)
+    return torch.nonzero(ok).flatten()
+
+
+def sample_anchors(loss_mask: torch.Tensor, doc: torch.Tensor, max_anchors: int,
+                   generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Up to max_anchors eligible positions, uniformly without replacement, sorted; padded to a
+    fixed count (static shapes for the compiled attention) with a keep-mask."""
+    cand = eligible_positions(loss_mask, doc)
+    if len(cand) > max_anchors:
+        cand = cand[torch.randperm(len(cand), generator=generator)[:max_anchors]]
+    cand = cand.sort().values
+    anchors = torch.zeros(max_anchors, dtype=torch.long)
+    valid = torch.zeros(max_anchors, dtype=torch.bool)
+    anchors[:len(cand)], valid[:len(cand)] = cand, True
+    return anchors, valid
+
+
+def make_mask_mod(anchors: torch.Tensor, valid: torch.Tensor, doc: torch.Tensor, block: int,
+                  window: int | None = None):
+    """mask_mod(b, h, q, kv) -> bool, written with tensor ops only so that flex_attention can
+    trace it and the dense form can evaluate it on broadcast index grids.
+    anchors, valid: (B, A); doc: (B, S) document id per context position (-1 = padding)."""
+    S = doc.shape[1]
+
+    def mask_mod(b, h, q, kv):
+        j, k = q // block, q % block
+        a = anchors[b, j]
+        kv_ctx = kv.clamp(max=S - 1)
+        a_ctx = a.clamp(max=S - 1)
+        in_ctx = kv < S
+        ctx_ok = (kv_ctx < a) & (doc[b, kv_ctx] == doc[b, a_ctx]) & valid[b, j]
+        if window is not None:
+            ctx_ok = ctx_ok & (kv_ctx >= a + k - (window - 1))
+        same_block = ((kv - S).clamp(min=0) // block) == j
+        return torch.where(in_ctx, ctx_ok, same_block)
+
+    return mask_mod
+
+
+def dense_mask(mask_mod, B: int, Q: int, KV: int, device=None) -> torch.Tensor:
+    """(B, 1, Q, KV) bool from the same mask_mod, for SDPA (CPU, where flex has no backward)."""
+    b = torch.arange(B, device=device)[:, None, None]
+    q = torch.arange(Q, device=device)[None, :, None]
+    kv = torch.arange(KV, device=device)[None, None, :]
+    zero = torch.zeros((), dtype=torch.long, device=device)
+    return mask_mod(b, zero, q, kv)[:, None]
+
+
+def block_mask(mask_mod, B: int, Q: int, KV: int, device):
+    from torch.nn.attention.flex_attention import create_block_mask
+    return create_block_mask(mask_mod, B, None, Q, KV, device=device)
