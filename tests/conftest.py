@@ -26,7 +26,7 @@ def tiny(tmp_path_factory) -> dict:
                  layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
                  num_attention_heads=2, num_key_value_heads=1, head_dim=32,
                  linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=16,
-                 linear_value_head_dim=16)
+                 linear_value_head_dim=16, initializer_range=0.2)
     corpus = root / "chat.jsonl"
     corpus.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return {"target": root / "target", "corpus": corpus, "rows": rows, "tokenizer": tok}

@@ -42,7 +42,8 @@ class EpochPlan:
         self.samples = np.setdiff1d(np.nonzero(ok)[0], np.asarray(sorted(exclude), dtype=np.int64))
         self.seq_len, self.seed, self.rank, self.world = seq_len, seed, rank, world
 
-    def rows(self, epoch: int) -> list[list[int]]:
+    def rows(self, epoch: int) -> list[tuple[int, list[int]]]:
+        """(global row id, samples) for this rank's rows; the id seeds the row's anchors."""
         rng = np.random.default_rng([self.seed, epoch])
         order = self.samples[rng.permutation(len(self.samples))]
         rows = pack_rows(self.lengths, order, self.seq_len)
@@ -50,11 +51,13 @@ class EpochPlan:
         if per_rank == 0:
             raise ValueError(f"{len(rows)} packed rows of {self.seq_len} tokens cannot feed {self.world} ranks; "
                              f"lower --seq-len or use fewer GPUs")
-        return rows[self.rank * per_rank:(self.rank + 1) * per_rank]
+        # Interleaved shares: global step k of N ranks sees the same rows as one rank with N-fold
+        # gradient accumulation, so results do not depend on the GPU count (tested).
+        return list(enumerate(rows))[:per_rank * self.world][self.rank::self.world]
 
 
 class RowDataset(Dataset):
-    def __init__(self, store_path: str, rows: list[list[int]], layer_ids: list[int], seq_len: int,
+    def __init__(self, store_path: str, rows: list[tuple[int, list[int]]], layer_ids: list[int], seq_len: int,
                  max_anchors: int, seed: int, epoch: int, distill: bool, first_row: int = 0):
         self.store_path, self.rows, self.layer_ids = store_path, rows, layer_ids
         self.seq_len, self.max_anchors, self.seed, self.epoch = seq_len, max_anchors, seed, epoch
@@ -71,7 +74,7 @@ class RowDataset(Dataset):
         return self._store
 
     def __getitem__(self, j: int) -> dict:
-        row = self.first_row + j
+        row, samples = self.rows[self.first_row + j]
         s, S = self.store, self.seq_len
         L, H = len(self.layer_ids), s.layout.hidden
         K = s.layout.topk
@@ -86,7 +89,7 @@ class RowDataset(Dataset):
             out["topk_idx"] = torch.zeros(S, K, dtype=torch.long)
             out["topk_logp"] = torch.full((S, K), -1e4, dtype=torch.float32)
         pos = 0
-        for d, i in enumerate(self.rows[row]):
+        for d, i in enumerate(samples):
             x = s.read(i, self.layer_ids)
             n = min(len(x.input_ids), S - pos)
             sl = slice(pos, pos + n)

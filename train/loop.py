@@ -233,11 +233,12 @@ def train(cfg: TrainConfig) -> dict:
     if held:
         from train.loader import pack_rows
         import numpy as np
-        eval_rows = pack_rows(plan.lengths, np.asarray(held), cfg.seq_len)
-        eval_rows = eval_rows[rank::world] if len(eval_rows) >= world else eval_rows
+        eval_rows = list(enumerate(pack_rows(plan.lengths, np.asarray(held), cfg.seq_len)))[rank::world]
         eval_loader = make_loader(RowDataset(cfg.store, eval_rows, dcfg.target_layer_ids, cfg.seq_len, A,
                                              cfg.seed, -1, cfg.labels == "distill"),
                                   1, 0, cfg.prefetch, cuda)
+    if rank == 0 and cfg.resume:  # drop what a killed run logged after its last checkpoint
+        (out / "metrics.jsonl").write_text("".join(json.dumps(h) + "\n" for h in history))
     metrics_f = open(out / "metrics.jsonl", "a") if rank == 0 else None
     tb = None
     if rank == 0:
@@ -323,7 +324,7 @@ def train(cfg: TrainConfig) -> dict:
                                       "optim": opt.state_dict(), "sched": sched.state_dict(),
                                       "rng": torch.get_rng_state(), "history": history, "best": best,
                                       "drafter": asdict(dcfg), "train": asdict(cfg)})
-            if cfg.stop_after and step >= cfg.stop_after:
+            if cfg.stop_after and step >= cfg.stop_after:  # simulates a crash: no checkpoint here
                 break
         if cfg.stop_after and step >= cfg.stop_after:
             break

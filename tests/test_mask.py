@@ -1,0 +1,97 @@
+"""The DFlash mask against a dense boolean mask built by a plain loop; flex against SDPA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from train.mask import dense_mask, eligible_positions, make_mask_mod, sample_anchors
+
+
+def loop_mask(anchors, valid, doc, block, window=None):
+    """The rules of DESIGN.md section 4.3, one (query, key) pair at a time."""
+    B, A = anchors.shape
+    S = doc.shape[1]
+    Q, KV = A * block, S + A * block
+    m = torch.zeros(B, 1, Q, KV, dtype=torch.bool)
+    for b in range(B):
+        for j in range(A):
+            a = int(anchors[b, j])
+            for k in range(block):
+                q = j * block + k
+                for kv in range(KV):
+                    if kv < S:
+                        ok = bool(valid[b, j]) and kv < a and int(doc[b, kv]) == int(doc[b, a])
+                        if window is not None:
+                            ok = ok and kv >= a + k - (window - 1)
+                    else:
+                        ok = (kv - S) // block == j
+                    m[b, 0, q, kv] = ok
+    return m
+
+
+def case():
+    # Two rows: row 0 packs two documents and padding; row 1 one document. Anchors overlap
+    # (3 and 5 with block 4), one runs past the end of the row, one anchor slot is padding.
+    doc = torch.tensor([[0] * 9 + [1] * 7 + [-1] * 4,
+                        [0] * 20])
+    anchors = torch.tensor([[3, 5, 10, 0], [2, 6, 18, 17]])
+    valid = torch.tensor([[True, True, True, False], [True, True, True, True]])
+    return anchors, valid, doc
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_dense_mask_equals_plain_loop(window):
+    anchors, valid, doc = case()
+    block = 4
+    mod = make_mask_mod(anchors, valid, doc, block, window)
+    got = dense_mask(mod, 2, anchors.shape[1] * block, doc.shape[1] + anchors.shape[1] * block)
+    want = loop_mask(anchors, valid, doc, block, window)
+    assert torch.equal(got, want)
+    # Spot checks of the rules, so a wrong loop cannot agree with a wrong mask by accident.
+    S = doc.shape[1]
+    assert not got[0, 0, 0, 3]            # anchor 3 does not see its own position
+    assert got[0, 0, 0, 2]                # but sees the one before
+    assert not got[0, 0, 1 * block, 5]    # overlapping block (anchor 5) does not see position 5...
+    assert got[0, 0, 1 * block, 4]        # ...but sees 4, which is inside block 0's span: by position
+    assert not got[0, 0, 2 * block, 8]    # anchor 10 is in document 1: document 0 is invisible
+    assert not got[0, 0, 0, S + block]    # block 0 never sees block 1
+    assert got[0, 0, 3 * block, S + 3 * block] and not got[0, 0, 3 * block, 0]  # padded anchor: own block only
+
+
+def test_every_row_sees_something():
+    anchors, valid, doc = case()
+    got = dense_mask(make_mask_mod(anchors, valid, doc, 4), 2, 16, 20 + 16)
+    assert got.any(-1).all()
+
+
+def test_anchor_sampling_only_eligible_and_sorted():
+    loss = torch.tensor([0, 1, 1, 1, 0, 1, 1, 0, 1, 0], dtype=torch.bool)
+    doc = torch.tensor([0, 0, 0, 1, 1, 1, 1, 1, 1, -1])
+    assert eligible_positions(loss, doc).tolist() == [1, 5]  # 2->3 crosses documents
+    g = torch.Generator().manual_seed(0)
+    a, v = sample_anchors(loss, doc, 4, g)
+    assert a[v].tolist() == [1, 5] and v.tolist() == [True, True, False, False]
+    big = torch.ones(100, dtype=torch.bool)
+    a, v = sample_anchors(big, torch.zeros(100, dtype=torch.long), 10, g)
+    assert v.all() and torch.equal(a, a.sort().values) and len(set(a.tolist())) == 10 and a.max() < 99
+
+
+def test_flex_forward_equals_sdpa_with_dense_mask():
+    """flex_attention has no backward on CPU; its forward is checked here, both directions on GPU
+    (bench/train_step.py)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    import torch.nn.functional as F
+    torch.manual_seed(0)
+    anchors, valid, doc = case()
+    block, B = 4, 2
+    Q, KV = anchors.shape[1] * block, doc.shape[1] + anchors.shape[1] * block
+    q = torch.randn(B, 4, Q, 16)
+    k = torch.randn(B, 2, KV, 16)
+    v = torch.randn(B, 2, KV, 16)
+    for window in (None, 3):
+        mod = make_mask_mod(anchors, valid, doc, block, window)
+        bm = create_block_mask(mod, B, None, Q, KV, device="cpu")
+        got = flex_attention(q, k, v, block_mask=bm, enable_gqa=True)
+        want = F.scaled_dot_product_attention(q, k, v, attn_mask=dense_mask(mod, B, Q, KV), enable_gqa=True)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -1,0 +1,192 @@
+"""Training from a store: one-process distributed (gloo), two-process DDP equivalence, resume,
+export/reload, layer subsets, and every refusal before work starts."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import extract_cfg
+from extract.__main__ import run as extract_run
+from train.config import ConfigError, DrafterConfig, TrainConfig
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def store(tiny, tmp_path_factory):
+    path = tmp_path_factory.mktemp("train") / "store"
+    extract_run(extract_cfg(tiny, path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def draft(tiny, tmp_path_factory):
+    """A 2-layer drafter on target layers [0, 3] (a subset of the store's [0, 1, 3])."""
+    cfg = DrafterConfig(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                        intermediate_size=128, num_hidden_layers=2, vocab_size=512, num_target_layers=4,
+                        target_layer_ids=[0, 3], mask_token_id=tiny["tokenizer"].mask_token_id, block_size=4,
+                        layer_types=["sliding_attention", "full_attention"], sliding_window=32)
+    path = tmp_path_factory.mktemp("draft") / "config.json"
+    path.write_text(json.dumps(cfg.to_hf()))
+    return path
+
+
+def tcfg(store, draft, out, **kw):
+    base = dict(store=str(store), out=str(out), draft=str(draft), seq_len=256, max_anchors=16, epochs=1,
+                lr=3e-3, log_every=2, save_every=1000, workers=0, progress=False, loss_chunk=64)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def params(out: Path) -> dict:
+    ck = torch.load(out / "checkpoints" / (out / "checkpoints" / "latest").read_text(), weights_only=False)
+    return ck["model"]
+
+
+def test_short_run_lowers_loss(store, draft, tmp_path):
+    from train.loop import train
+    res = train(tcfg(store, draft, tmp_path / "run", max_steps=40, lr=5e-3))
+    losses = [h["loss"] for h in res["history"]]
+    assert len(losses) == 20
+    first, last = sum(losses[:3]) / 3, sum(losses[-3:]) / 3
+    assert last < first - 0.5, losses  # clearly, not by noise
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    rec = json.loads(lines[-1])
+    assert {"loss", "acc", "tau", "tok_s", "peak_mem_gib", "lr"} <= rec.keys() and len(rec["acc"]) == 3
+
+
+def test_resume_equals_uninterrupted(store, draft, tmp_path):
+    from train.loop import train
+    full = train(tcfg(store, draft, tmp_path / "a", max_steps=8, save_every=2))
+    train(tcfg(store, draft, tmp_path / "b", max_steps=8, save_every=2, stop_after=3))  # "killed" after step 3
+    # step 3's work is lost with the process; the run resumes from the last checkpoint
+    assert (tmp_path / "b" / "checkpoints" / "latest").read_text() == "step-00000002.pt"
+    resumed = train(tcfg(store, draft, tmp_path / "b", max_steps=8, save_every=2, resume=True))
+    assert resumed["step"] == full["step"] == 8
+    pa, pb = params(tmp_path / "a"), params(tmp_path / "b")
+    for k in pa:
+        assert torch.equal(pa[k], pb[k]), k
+    assert [h["loss"] for h in full["history"]] == [h["loss"] for h in resumed["history"]]
+    logged = [json.loads(l)["step"] for l in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert logged == [2, 4, 6, 8]
+
+
+def test_two_ranks_equal_one_rank_with_accumulation(store, draft, tmp_path):
+    """DDP on 2 CPU processes (gloo, torchrun) = 1 process with 2-step accumulation: the loss is
+    normalised over the global batch and the ranks' shares interleave."""
+    from train.loop import train
+    train(tcfg(store, draft, tmp_path / "one", max_steps=4, grad_accum=2))
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "train",
+           "--store", str(store), "--out", str(tmp_path / "two"), "--draft", str(draft), "--seq-len", "256",
+           "--max-anchors", "16", "--epochs", "1", "--lr", "3e-3", "--max-steps", "4", "--workers", "0",
+           "--loss-chunk", "64", "--no-progress"]
+    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    p1, p2 = params(tmp_path / "one"), params(tmp_path / "two")
+    for k in p1:
+        torch.testing.assert_close(p1[k], p2[k], rtol=1e-4, atol=1e-6)
+
+
+def test_export_reload_gives_identical_logits(store, draft, tmp_path):
+    from shared.store import Store
+    from train.export import load_drafter
+    from train.loader import EpochPlan, RowDataset
+    from train.loop import train
+    from train.model import DFlashDrafter
+    from train.step import forward_loss
+    from shared.target import load_embed_and_head
+    train(tcfg(store, draft, tmp_path / "run", max_steps=2))
+    out = tmp_path / "run" / "export"
+    conf = json.loads((out / "config.json").read_text())
+    assert conf["architectures"] == ["DFlashDraftModel"] and conf["block_size"] == 4
+    assert conf["dflash_config"]["target_layer_ids"] == [0, 3] and "mask_token_id" in conf["dflash_config"]
+    from safetensors import safe_open
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.0.self_attn.q_proj.weight",
+            "layers.1.self_attn.k_norm.weight", "layers.1.mlp.down_proj.weight",
+            "layers.0.post_attention_layernorm.weight"} <= names
+    # The trained weights, rounded to bf16 as exported, give exactly the reloaded model's outputs.
+    ck = params(tmp_path / "run")
+    ref = DFlashDrafter(DrafterConfig.load(out))
+    ref.load_state_dict({k: v.bfloat16().float() for k, v in ck.items()})
+    got = load_drafter(out)
+    for k, v in ref.state_dict().items():
+        assert torch.equal(v, got.state_dict()[k]), k
+    s = Store(store)
+    rows = EpochPlan(s, 256, 0, 0, 1).rows(0)
+    batch = {k: v[None] for k, v in RowDataset(str(store), rows, [0, 3], 256, 16, 0, 0, False)[0].items()}
+    embed, head = load_embed_and_head(s.manifest["target"]["path"])
+    with torch.no_grad():
+        a = forward_loss(ref, embed, head, batch, labels="data", gamma=7, loss_chunk=64)
+        b = forward_loss(got, embed, head, batch, labels="data", gamma=7, loss_chunk=64)
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+
+
+def test_loader_reads_the_layer_subset(store, tmp_path):
+    from shared.store import Store
+    from train.loader import EpochPlan, RowDataset
+    s = Store(store)
+    rows = EpochPlan(s, 256, 0, 0, 1).rows(0)
+    item = RowDataset(str(store), rows, [0, 3], 256, 16, 0, 0, False)[0]
+    first = rows[0][1][0]
+    x = s.read(first)
+    n = len(x.input_ids)
+    H = s.layout.hidden
+    assert torch.equal(item["hidden"][:n, :H], x.hidden[:, 0]) and torch.equal(item["hidden"][:n, H:], x.hidden[:, 2])
+    assert (item["doc"][:n] == 0).all() and item["anchor_valid"].any()
+    # disjoint shares across ranks, covering every sample at most once
+    r0, r1 = EpochPlan(s, 256, 0, 0, 2).rows(3), EpochPlan(s, 256, 0, 1, 2).rows(3)
+    a, b = {i for _, r in r0 for i in r}, {i for _, r in r1 for i in r}
+    assert not a & b and len(r0) == len(r1)
+
+
+def test_refusals_before_any_work(store, draft, tiny, tmp_path):
+    from train.loop import train
+    with pytest.raises(ConfigError, match="not a feature store"):
+        train(tcfg(tmp_path / "nope", draft, tmp_path / "o1"))
+    # incomplete store
+    inc = tmp_path / "inc"
+    shutil.copytree(store, inc)
+    import zarr
+    g = zarr.open_group(str(inc), mode="r+")
+    g.attrs["dflash"] = {**g.attrs["dflash"], "complete": False}
+    with pytest.raises(ConfigError, match="extraction is not complete"):
+        train(tcfg(inc, draft, tmp_path / "o2"))
+    # drafter layers outside the store
+    bad = json.loads(Path(draft).read_text())
+    bad["dflash_config"]["target_layer_ids"] = [0, 2]
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    with pytest.raises(ConfigError, match=r"\[0, 2\] are not a subset of the store's layers \[0, 1, 3\]"):
+        train(tcfg(store, tmp_path / "bad.json", tmp_path / "o3"))
+    # unknown field
+    unk = json.loads(Path(draft).read_text())
+    unk["num_hiden_layers"] = 3
+    (tmp_path / "unk.json").write_text(json.dumps(unk))
+    with pytest.raises(ConfigError, match="unknown field.*num_hiden_layers"):
+        train(tcfg(store, tmp_path / "unk.json", tmp_path / "o4"))
+    # embed/lm_head from another target
+    from shared.tiny import build_target
+    other = build_target(tiny["tokenizer"], tmp_path / "other", hidden_size=32, intermediate_size=64,
+                         num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"],
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                         linear_num_key_heads=2, linear_num_value_heads=2, linear_key_head_dim=8,
+                         linear_value_head_dim=8)
+    with pytest.raises(ConfigError, match="a store made by another target"):
+        train(tcfg(store, draft, tmp_path / "o5", target=str(other)))
+    assert not any((tmp_path / f"o{i}").exists() for i in range(1, 6))
+
+
+def test_cli_refuses_missing_gpus(store, draft, tmp_path, capsys):
+    from train.__main__ import main
+    assert main(["--store", str(store), "--out", str(tmp_path / "o"), "--gpus", "0,1"]) == 2
+    assert "does not exist" in capsys.readouterr().err
