@@ -54,20 +54,28 @@ def assign_units(lengths: list[int], shard_tokens: int) -> tuple[np.ndarray, int
 
 
 def plan(cfg: ExtractConfig, manifest: dict, tokenizer, n_layers: int, hidden: int) -> Path:
-    """Tokenize DATA and create the store with its tokens and index, in a side folder renamed
-    into place at the end: a crash while planning leaves nothing that looks like a store."""
+    """Tokenize DATA and create the store with its tokens and index."""
+    files, encoded, report = encode_all(cfg.data, tokenizer, cfg.max_len, cfg.too_long, cfg.progress)
+    manifest["data"]["report"] = {"rows": report.rows, "kept": report.kept, "truncated": report.truncated,
+                                  "skipped": dict(report.skipped), "examples": report.examples}
+    store = write_plan(cfg, manifest, encoded, n_layers, hidden)
+    for reason, n in sorted(report.skipped.items()):
+        _log(f"skipped {n} row(s): {reason}; first: {report.examples[reason]}")
+    return store
+
+
+def write_plan(cfg: ExtractConfig, manifest: dict, encoded: list, n_layers: int, hidden: int) -> Path:
+    """Create the store with its tokens and index in a side folder renamed into place at the end:
+    a crash while planning leaves nothing that looks like a store."""
     store = Path(cfg.store)
     partial = store.with_name(store.name + ".partial")
     if partial.exists():
         shutil.rmtree(partial)
-    files, encoded, report = encode_all(cfg.data, tokenizer, cfg.max_len, cfg.too_long, cfg.progress)
     lengths = [len(e.input_ids) for e in encoded]
     offsets, n_units = assign_units(lengths, cfg.shard_tokens)
     layout = st.Layout(n_layers=n_layers, hidden=hidden, topk=cfg.topk, precision=cfg.precision,
                        codec=cfg.codec, shard_tokens=cfg.shard_tokens, chunk_tokens=cfg.chunk_tokens,
                        n_units=n_units, n_samples=len(encoded))
-    manifest["data"]["report"] = {"rows": report.rows, "kept": report.kept, "truncated": report.truncated,
-                                  "skipped": dict(report.skipped), "examples": report.examples}
     root = st.create(partial, layout, manifest)
     ids = np.zeros(cfg.shard_tokens, dtype=np.int32)
     mask = np.zeros(cfg.shard_tokens, dtype=np.uint8)
@@ -88,8 +96,6 @@ def plan(cfg: ExtractConfig, manifest: dict, tokenizer, n_layers: int, hidden: i
     root["index/file"][:] = np.asarray([e.file for e in encoded], dtype=np.int32)
     root["index/ok"][:] = np.ones(len(encoded), dtype=np.uint8)
     os.replace(partial, store)
-    for reason, n in sorted(report.skipped.items()):
-        _log(f"skipped {n} row(s): {reason}; first: {report.examples[reason]}")
     return store
 
 

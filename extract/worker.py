@@ -58,8 +58,10 @@ def plan_batches(items: list[tuple[int, int, int]], batch_tokens: int, max_batch
 
 
 class Worker:
-    def __init__(self, cfg: ExtractConfig, rank: int, world: int, device: torch.device, progress_q=None):
+    def __init__(self, cfg: ExtractConfig, rank: int, world: int, device: torch.device, progress_q=None,
+                 model=None):
         self.cfg, self.rank, self.world, self.device = cfg, rank, world, device
+        self.model = model  # benchmarks pass a model built in memory; otherwise loaded from cfg.target
         self.progress_q = progress_q
         self.root = st.zarr.open_group(store=cfg.store, mode="r+")
         man = self.root.attrs["dflash"]
@@ -132,7 +134,7 @@ class Worker:
         unit_of = offsets // S
         dtype = {"auto": torch.bfloat16 if self.device.type == "cuda" else torch.float32,
                  "bf16": torch.bfloat16, "fp32": torch.float32}[cfg.dtype]
-        model = load_target(cfg.target, self.device, dtype)
+        model = self.model if self.model is not None else load_target(cfg.target, self.device, dtype)
         ids_arr = self.root["tokens/input_ids"]
 
         threads = [threading.Thread(target=self._guard(self._collector), daemon=True)]

@@ -42,7 +42,7 @@ class ExtractConfig:
     topk: int = 16
     batch_tokens: int = 16384           # padded tokens per forward
     max_batch: int = 64
-    shard_tokens: int = 65536           # tokens per unit (= per shard of every token array)
+    shard_tokens: int = 32768           # tokens per unit (= per shard of every token array)
     chunk_tokens: int = 64              # tokens per compressed chunk of features/hidden
     writers: int = 2                    # units compressed and written in parallel per worker
     queue_units: int = 2                # finished units waiting for a writer (bounds host memory)

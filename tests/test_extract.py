@@ -106,7 +106,8 @@ def test_batched_store_matches_single_to_bf16_rounding(tiny, reference, tmp_path
     for i in range(len(a)):
         x, y = a.read(i), b.read(i)
         diff = (x.hidden.float() - y.hidden.float()).abs()
-        assert (diff <= x.hidden.float().abs() * 2 ** -7 + 1e-6).all(), i
+        # one bf16 ulp, plus fp32 reordering noise relative to the sample's magnitude
+        assert (diff <= x.hidden.float().abs() * 2 ** -7 + 1e-5 * x.hidden.float().abs().amax()).all(), i
         assert torch.equal(x.input_ids, y.input_ids)
 
 

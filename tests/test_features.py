@@ -59,13 +59,15 @@ def test_batched_with_padding_equals_one_at_a_time(tiny):
     for s in seqs:
         n = len(s)
         hs, is_, ls, es, _ = forward_features(model, s[None], torch.ones(1, n, dtype=torch.long), [n], layers, topk=4)
-        # fp32 compute: agreement far below one bf16 ulp, so the stored bf16 values agree too.
-        torch.testing.assert_close(hb[pos:pos + n], hs, rtol=1e-4, atol=1e-5)
+        # fp32 compute: batched matmuls sum in another order, so errors scale with the layer's
+        # magnitude (not each value's); far below one bf16 ulp, so stored bf16 values agree too.
+        scale = hs.abs().amax()
+        torch.testing.assert_close(hb[pos:pos + n], hs, rtol=1e-4, atol=1e-5 * scale)
         torch.testing.assert_close(eb[pos:pos + n], es, rtol=1e-5, atol=1e-5)
         assert torch.equal(ib[pos:pos + n, 0], is_[:, 0])
         b16 = (hb[pos:pos + n].bfloat16().float() - hs.bfloat16().float()).abs()
         ulp = hs.abs().bfloat16().float() * 2 ** -7
-        assert (b16 <= ulp + 1e-6).all()
+        assert (b16 <= ulp + 1e-5 * scale).all()
         pos += n
     assert pos == hb.shape[0]
 

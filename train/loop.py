@@ -23,9 +23,9 @@ from shared.target import load_embed_and_head, tokenizer_fingerprint
 from train.config import ConfigError, DrafterConfig, TrainConfig
 from train.export import export
 from train.loader import EpochPlan, RowDataset, make_loader
-from train.loss import metrics_from_stats, slot_targets
+from train.loss import metrics_from_stats
 from train.model import DFlashDrafter, param_count, score_memory_bytes, unwrap
-from train.step import forward_loss
+from train.step import forward_loss, train_step
 
 
 def log(msg: str):
@@ -251,8 +251,8 @@ def train(cfg: TrainConfig) -> dict:
     from tqdm import tqdm
     bar = tqdm(total=total, initial=step, desc="train", unit=" steps", disable=rank != 0 or not cfg.progress,
                dynamic_ncols=True)
-    t_last, tok_last, tokens_seen = time.time(), 0, 0
-    window_stats, window_loss, window_w = None, 0.0, 0.0
+    t_last, window = time.time(), None
+    params = [p for p in model.parameters() if p.requires_grad]
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     while step < total:
@@ -265,39 +265,23 @@ def train(cfg: TrainConfig) -> dict:
             if step >= total:
                 break
             mbs = [{k: v.to(device, non_blocking=True) for k, v in next(it).items()} for _ in range(cfg.grad_accum)]
-            tgs = [slot_targets(mb, Bk, cfg.gamma, cfg.labels) for mb in mbs]
-            # Normalise by the summed weights of the whole global batch (all ranks, micro-batches).
-            W = torch.stack([t["weight"].sum() for t in tgs]).sum().double().reshape(1)
-            dist.all_reduce(W)
-            for i, (mb, tg) in enumerate(zip(mbs, tgs)):
-                sync = i == len(mbs) - 1
-                with (contextlib.nullcontext() if sync else ddp.no_sync()), autocast:
-                    loss_sum, stats, _ = forward_loss(ddp, embed, head, mb, labels=cfg.labels, gamma=cfg.gamma,
-                                                      loss_chunk=cfg.loss_chunk, targets=tg)
-                (loss_sum * world / W.float().clamp(min=1e-9)).backward()  # DDP averages over ranks
-                window_stats = stats.detach() if window_stats is None else window_stats + stats.detach()
-                window_loss += float(loss_sum.detach())
-                tokens_seen += int((mb["doc"] >= 0).sum())
-            window_w += float(W)
-            gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
-            opt.step()
-            sched.step()
-            opt.zero_grad(set_to_none=True)
+            r = train_step(ddp, params, opt, sched, embed, head, mbs, labels=cfg.labels, gamma=cfg.gamma,
+                           loss_chunk=cfg.loss_chunk, grad_clip=cfg.grad_clip, autocast=autocast)
+            window = r if window is None else {k: window[k] + r[k] for k in ("loss_sum", "weight", "stats", "tokens")}
             step += 1
             bar.update(1)
 
             last = step == total
             if step % cfg.log_every == 0 or last:
-                reduce = torch.cat([window_stats.flatten().double(),
-                                    torch.tensor([window_loss, tokens_seen - tok_last], dtype=torch.float64,
-                                                 device=device)])
+                # weight is already global; loss, slot counts and tokens are summed over ranks here
+                reduce = torch.cat([window["stats"].flatten().double(), window["loss_sum"].reshape(1),
+                                    window["tokens"].double().reshape(1)])
                 dist.all_reduce(reduce)
                 reduce = reduce.cpu()
-                st = reduce[:-2].reshape(window_stats.shape)
-                m = metrics_from_stats(st.float())
+                m = metrics_from_stats(reduce[:-2].reshape(window["stats"].shape).float())
                 now = time.time()
-                rec = {"step": step, "epoch": epoch, "loss": float(reduce[-2]) / max(window_w, 1e-9),
-                       "lr": sched.get_last_lr()[0], "grad_norm": float(gnorm), **m,
+                rec = {"step": step, "epoch": epoch, "loss": float(reduce[-2]) / max(float(window["weight"]), 1e-9),
+                       "lr": sched.get_last_lr()[0], "grad_norm": float(r["grad_norm"]), **m,
                        "tok_s": float(reduce[-1]) / max(now - t_last, 1e-9),
                        "peak_mem_gib": (torch.cuda.max_memory_allocated(device) if cuda else
                                         resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2 ** 30}
@@ -317,8 +301,7 @@ def train(cfg: TrainConfig) -> dict:
                                 tb.add_scalar(k, v, step)
                     bar.set_postfix(loss=f"{rec['loss']:.3f}", acc1=f"{m['acc'][0]:.2f}", tau=f"{m['tau']:.2f}",
                                     tok_s=f"{rec['tok_s']:,.0f}", mem=f"{rec['peak_mem_gib']:.1f}G")
-                t_last, tok_last = now, tokens_seen
-                window_stats, window_loss, window_w = None, 0.0, 0.0
+                t_last, window = now, None
             if rank == 0 and (step % cfg.save_every == 0 or last):
                 save_checkpoint(out, {"step": step, "model": unwrap(model).state_dict(),
                                       "optim": opt.state_dict(), "sched": sched.state_dict(),

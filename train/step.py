@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from train.attention import build_masks
@@ -40,3 +43,35 @@ def forward_loss(model: DFlashDrafter, embed: torch.Tensor, head: torch.Tensor, 
     tg = targets if targets is not None else slot_targets(batch, block, gamma, labels)
     loss_sum, pred = chunked_loss(out, head, tg, loss_chunk)
     return loss_sum, slot_stats(pred, tg, block), tg
+
+
+def train_step(model, params, opt, sched, embed, head, mbs: list[dict], *, labels: str, gamma: float,
+               loss_chunk: int, grad_clip: float, autocast) -> dict:
+    """One optimizer step over micro-batches `mbs` (gradient accumulation). The loss is normalised
+    by the summed slot weights of the whole global batch: every micro-batch of every rank
+    (DESIGN.md section 4.5). Returns device tensors only (no host sync inside)."""
+    block = unwrap(model).cfg.block_size
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    tgs = [slot_targets(mb, block, gamma, labels) for mb in mbs]
+    W = torch.stack([t["weight"].sum() for t in tgs]).sum().double().reshape(1)
+    if dist.is_initialized():
+        dist.all_reduce(W)
+    loss_total = torch.zeros((), dtype=torch.float64, device=W.device)
+    stats_total = torch.zeros(3, block, device=W.device)
+    tokens = torch.zeros((), dtype=torch.long, device=W.device)
+    no_sync = getattr(model, "no_sync", contextlib.nullcontext)
+    for i, (mb, tg) in enumerate(zip(mbs, tgs)):
+        with (contextlib.nullcontext() if i == len(mbs) - 1 else no_sync()), autocast:
+            loss_sum, stats, _ = forward_loss(model, embed, head, mb, labels=labels, gamma=gamma,
+                                              loss_chunk=loss_chunk, targets=tg)
+        (loss_sum * world / W.float().clamp(min=1e-9)).backward()  # DDP averages over ranks
+        loss_total += loss_sum.detach().double()
+        stats_total += stats.detach().float()
+        tokens += (mb["doc"] >= 0).sum()
+    gnorm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    opt.step()
+    if sched is not None:
+        sched.step()
+    opt.zero_grad(set_to_none=True)
+    return {"loss_sum": loss_total, "weight": W.squeeze(0), "stats": stats_total, "tokens": tokens,
+            "grad_norm": gnorm}

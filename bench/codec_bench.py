@@ -1,0 +1,97 @@
+"""Codec figures on real features from a store: bytes/token, ratio vs raw bf16, encode and decode
+MB/s on ONE core, and the cores one GPU needs to keep up with a raw feature rate.
+
+    python bench/codec_bench.py STORE [--rate-mbs 460] [--tokens 16384]
+
+Measured on the chunks the store uses (chunk_tokens x layers x hidden), with every codec forced to
+one thread, over the same feature bytes. fp8 rows include the float32 scales in their size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numcodecs
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from numcodecs import LZ4, Blosc, Shuffle, Zstd  # noqa: E402
+
+from shared.store import Store, bf16_to_bits, bits_to_bf16, fp8_encode  # noqa: E402
+
+
+def codecs(itemsize):
+    return {
+        "none": [],
+        "lz4": [LZ4()],
+        "zstd1": [Zstd(level=1)],
+        "shuffle-zstd3": [Shuffle(elementsize=itemsize), Zstd(level=3)],
+        "blosc-lz41": [Blosc(cname="lz4", clevel=1, shuffle=Blosc.SHUFFLE, typesize=itemsize)],
+        "blosc-zstd1": [Blosc(cname="zstd", clevel=1, shuffle=Blosc.SHUFFLE, typesize=itemsize)],
+        "blosc-zstd3": [Blosc(cname="zstd", clevel=3, shuffle=Blosc.SHUFFLE, typesize=itemsize)],
+    }
+
+
+def run(chain, chunks):
+    t = time.perf_counter()
+    enc = []
+    for c in chunks:
+        b = c.tobytes()
+        for codec in chain:
+            b = codec.encode(b)
+        enc.append(b)
+    t_enc = time.perf_counter() - t
+    t = time.perf_counter()
+    for b in enc:
+        for codec in reversed(chain):
+            b = codec.decode(b)
+    t_dec = time.perf_counter() - t
+    return sum(len(b) if isinstance(b, bytes) else np.asarray(b).nbytes for b in enc), t_enc, t_dec
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("store")
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--rate-mbs", type=float, default=460.0, help="raw bf16 feature rate to sustain (MB/s)")
+    a = ap.parse_args()
+    Blosc.use_threads = False
+    numcodecs.blosc.set_nthreads(1)
+    s = Store(a.store, require_complete=False)
+    lay = s.layout
+    arr = s.array("features/hidden")
+    n = min(a.tokens, lay.capacity)
+    raw_bits = arr[:n]
+    if lay.precision != "bf16":
+        raise SystemExit("codec_bench needs a bf16 store")
+    used = raw_bits.reshape(n, -1).any(axis=1)  # skip the unused tail of a unit
+    raw_bits = raw_bits[used]
+    n = raw_bits.shape[0]
+    C = lay.chunk_tokens
+    chunks16 = [raw_bits[i:i + C] for i in range(0, n - C + 1, C)]
+    h = bits_to_bf16(raw_bits)
+    q, scale = fp8_encode(h)
+    chunks8 = [q.numpy()[i:i + C] for i in range(0, n - C + 1, C)]
+    scale_bytes = scale.numpy().nbytes
+    raw = sum(c.nbytes for c in chunks16)
+    tokens = len(chunks16) * C
+    print(f"{a.store}: {tokens:,} tokens x {lay.n_layers} layers x {lay.hidden} hidden, chunks of {C} tokens; "
+          f"raw bf16 {raw / 2**20:.1f} MiB; rate to sustain {a.rate_mbs:.0f} MB/s raw")
+    print(f"{'precision/codec':24s}{'B/token':>9s}{'ratio':>8s}{'enc MB/s':>10s}{'dec MB/s':>10s}"
+          f"{'cores enc':>10s}{'cores dec':>10s}")
+    for prec, chunks, extra in (("bf16", chunks16, 0), ("fp8", chunks8, scale_bytes * tokens // n)):
+        for name, chain in codecs(2 if prec == "bf16" else 1).items():
+            size, te, td = run(chain, chunks)
+            size += extra
+            enc_mbs, dec_mbs = raw / te / 1e6, raw / td / 1e6  # per raw bf16 byte, so rows compare
+            print(f"{prec + '/' + name:24s}{size / tokens:9,.0f}{raw / size:8.2f}{enc_mbs:10,.0f}{dec_mbs:10,.0f}"
+                  f"{a.rate_mbs / enc_mbs:10.1f}{a.rate_mbs / dec_mbs:10.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
