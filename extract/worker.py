@@ -1,9 +1,13 @@
 """One extraction worker: owns one device and every unit u with u % world == rank.
 
-The device never waits on compression or disk: the forward of batch k+1 is launched while a
-collector thread waits for batch k's device-to-host copy and places it in its unit's host
-buffer, and a pool of writer threads compresses and writes finished units. Both hand-offs are
-bounded queues, so host memory stays flat whatever the corpus size.
+The device never waits on compression or disk:
+  - each batch's features are copied device-to-host on a side stream, straight into the pinned
+    host buffer of their unit (no staging copy), while the next batch's forward runs;
+  - a collector thread waits for each copy, drops samples with NaN/inf features, and hands a
+    finished unit to the writers;
+  - writer threads compress and write whole units (zarr shards) and return the buffer, cleared,
+    to a fixed pool. The pool is the back-pressure: host memory is `pool` unit buffers,
+    allocated once, whatever the corpus size.
 """
 
 from __future__ import annotations
@@ -23,24 +27,48 @@ from shared.config import ExtractConfig
 from shared.target import load_target
 
 _STOP = object()
+_TORCH = {"uint16": torch.int16, "uint8": torch.uint8, "int32": torch.int32, "float16": torch.float16,
+          "float32": torch.float32}
 
 
 @dataclass
 class UnitBuffer:
-    unit: int
-    arrays: dict[str, np.ndarray]
-    remaining: int
-    samples: int
-    tokens: int
+    arrays: dict[str, torch.Tensor]   # host tensors, one per feature array, unit-sized
+    unit: int = -1
+    remaining: int = 0
+    samples: int = 0
+    tokens: int = 0
     dropped: list = field(default_factory=list)
-    started: float = field(default_factory=time.time)
+    started: float = 0.0
+
+    def numpy(self) -> dict[str, np.ndarray]:
+        out = {}
+        for name, t in self.arrays.items():
+            a = t.numpy()
+            out[name] = a.view(np.uint16) if a.dtype == np.int16 else a  # bf16 bits are stored as uint16
+        return out
 
 
-def new_unit_buffer(layout: st.Layout, unit: int, n_samples: int, n_tokens: int) -> UnitBuffer:
-    shapes = layout.arrays()
-    arrays = {name: np.zeros((layout.shard_tokens, *shape), dtype=dtype)
-              for name, (shape, dtype) in shapes.items() if name in st.FEATURE_ARRAYS}
-    return UnitBuffer(unit, arrays, n_samples, n_samples, n_tokens)
+class UnitPool:
+    """A fixed set of unit buffers (pinned on CUDA, so copies into them are asynchronous)."""
+
+    def __init__(self, layout: st.Layout, size: int, pin: bool):
+        self.free: queue.Queue = queue.Queue()
+        for _ in range(size):
+            arrays = {name: torch.zeros((layout.shard_tokens, *shape), dtype=_TORCH[dtype], pin_memory=pin)
+                      for name, (shape, dtype) in layout.arrays().items() if name in st.FEATURE_ARRAYS}
+            self.free.put(UnitBuffer(arrays))
+
+    def get(self, unit: int, samples: int, tokens: int) -> UnitBuffer:
+        buf = self.free.get()  # blocks while every buffer is being filled or written
+        buf.unit, buf.remaining, buf.samples, buf.tokens = unit, samples, samples, tokens
+        buf.dropped, buf.started = [], time.time()
+        return buf
+
+    def put(self, buf: UnitBuffer):
+        for t in buf.arrays.values():
+            t.zero_()  # unused tails and dropped samples must read back as zeros
+        self.free.put(buf)
 
 
 def plan_batches(items: list[tuple[int, int, int]], batch_tokens: int, max_batch: int):
@@ -61,16 +89,18 @@ class Worker:
     def __init__(self, cfg: ExtractConfig, rank: int, world: int, device: torch.device, progress_q=None,
                  model=None):
         self.cfg, self.rank, self.world, self.device = cfg, rank, world, device
-        self.model = model  # benchmarks pass a model built in memory; otherwise loaded from cfg.target
         self.progress_q = progress_q
+        self.model = model  # benchmarks pass a model built in memory; otherwise loaded from cfg.target
         self.root = st.zarr.open_group(store=cfg.store, mode="r+")
         man = self.root.attrs["dflash"]
         self.layout = st.Layout(**man["layout"])
         self.layer_ids = man["layer_ids"]
-        self.pad_id = man["tokenizer"]["pad_token_id"]
+        self.pad_id = man["tokenizer"]["pad_token_id"] or 0
         self.error: BaseException | None = None
-        self.collect_q: queue.Queue = queue.Queue(maxsize=4)
-        self.write_q: queue.Queue = queue.Queue(maxsize=cfg.queue_units)
+        self.collect_q: queue.Queue = queue.Queue()
+        self.write_q: queue.Queue = queue.Queue()
+        self.pool = UnitPool(self.layout, cfg.writers + cfg.queue_units + 1, pin=device.type == "cuda")
+        self.gpu_done_at = 0.0  # when the last batch's features reached the host (benchmarks)
 
     # -- threads ---------------------------------------------------------------------------
     def _guard(self, fn):
@@ -79,40 +109,25 @@ class Worker:
                 fn()
             except BaseException as e:  # surfaced in the main loop
                 self.error = e
-                # keep draining so that the producer never blocks forever
-                for q in (self.collect_q, self.write_q):
-                    try:
-                        while True:
-                            q.get_nowait()
-                    except queue.Empty:
-                        pass
+                for _ in range(self.cfg.writers + 2):  # unblock whoever waits on the pool
+                    self.pool.free.put(UnitBuffer({}))
         return run
 
     def _collector(self):
         while (item := self.collect_q.get()) is not _STOP:
-            event, tensors, placements = item
+            event, ok, keep_alive, placements = item
             if event is not None:
                 event.synchronize()
-            hidden, scale, idx, logp, lse, ok = (None if t is None else _host(t) for t in tensors)
-            shape = self.layout.arrays()["features/hidden"][0]
-            if hidden.shape[1:] != shape:  # numpy would broadcast a wrong layer count silently
-                raise RuntimeError(f"features of shape {hidden.shape[1:]} for a store of {shape}")
-            pos = 0
-            for buf, sample, local, n, meta in placements:
-                a = buf.arrays
-                if ok[meta["b"]]:
-                    a["features/hidden"][local:local + n] = hidden[pos:pos + n]
-                    if scale is not None:
-                        a["features/scale"][local:local + n] = scale[pos:pos + n]
-                    a["logits/topk_idx"][local:local + n] = idx[pos:pos + n]
-                    a["logits/topk_logp"][local:local + n] = logp[pos:pos + n]
-                    a["logits/lse"][local:local + n] = lse[pos:pos + n]
-                else:
-                    buf.dropped.append({"sample": sample, **meta["src"]})
-                pos += n
+            del keep_alive  # device tensors the copies read from, held until the copies are done
+            for buf, b, sample, lo, n, src in placements:
+                if not ok[b]:
+                    for t in buf.arrays.values():
+                        t[lo:lo + n] = 0
+                    buf.dropped.append({"sample": sample, **src})
                 buf.remaining -= 1
                 if buf.remaining == 0:
                     self.write_q.put(buf)
+            self.gpu_done_at = time.time()
         for _ in range(self.cfg.writers):
             self.write_q.put(_STOP)
 
@@ -120,32 +135,36 @@ class Worker:
         while (buf := self.write_q.get()) is not _STOP:
             info = {"samples": buf.samples, "tokens": buf.tokens, "dropped": buf.dropped,
                     "rank": self.rank, "seconds": round(time.time() - buf.started, 3)}
-            st.write_unit(self.root, self.cfg.store, buf.unit, buf.arrays, info)
+            st.write_unit(self.root, self.cfg.store, buf.unit, buf.numpy(), info)
             if self.progress_q is not None:
                 self.progress_q.put(("unit", buf.unit, buf.samples - len(buf.dropped), buf.tokens))
+            self.pool.put(buf)
 
     # -- main loop -------------------------------------------------------------------------
     def run(self, units: list[int]):
-        cfg = self.cfg
+        cfg, dev = self.cfg, self.device
         offsets = self.root["index/offset"][:]
         lengths = self.root["index/length"][:]
         rows, files = self.root["index/row"][:], self.root["index/file"][:]
         S = self.layout.shard_tokens
         unit_of = offsets // S
-        dtype = {"auto": torch.bfloat16 if self.device.type == "cuda" else torch.float32,
+        dtype = {"auto": torch.bfloat16 if dev.type == "cuda" else torch.float32,
                  "bf16": torch.bfloat16, "fp32": torch.float32}[cfg.dtype]
-        model = self.model if self.model is not None else load_target(cfg.target, self.device, dtype)
+        model = self.model if self.model is not None else load_target(cfg.target, dev, dtype)
         ids_arr = self.root["tokens/input_ids"]
+        cuda = dev.type == "cuda"
+        copy_stream = torch.cuda.Stream(dev) if cuda else None
 
         threads = [threading.Thread(target=self._guard(self._collector), daemon=True)]
         threads += [threading.Thread(target=self._guard(self._writer), daemon=True) for _ in range(cfg.writers)]
         for t in threads:
             t.start()
-        cuda = self.device.type == "cuda"
         try:
             for u in units:
                 members = np.nonzero(unit_of == u)[0]
-                buf = new_unit_buffer(self.layout, u, len(members), int(lengths[members].sum()))
+                buf = self.pool.get(u, len(members), int(lengths[members].sum()))
+                if self.error:
+                    raise self.error
                 if len(members) == 0:
                     self.write_q.put(buf)
                     continue
@@ -154,29 +173,7 @@ class Worker:
                 for batch in plan_batches(items, cfg.batch_tokens, cfg.max_batch):
                     if self.error:
                         raise self.error
-                    seqs = [torch.from_numpy(unit_ids[lo:lo + n].astype(np.int64)) for _, lo, n in batch]
-                    ids, att = pad_batch(seqs, self.pad_id)
-                    ns = [n for _, _, n in batch]
-                    hidden, idx, logp, lse, ok = forward_features(
-                        model, ids.to(self.device, non_blocking=True), att.to(self.device, non_blocking=True),
-                        ns, self.layer_ids, self.layout.topk, cfg.logit_chunk)
-                    if self.layout.precision == "bf16":
-                        hidden, scale = hidden.to(torch.bfloat16).view(torch.int16), None
-                    else:
-                        hidden, scale = st.fp8_encode(hidden)
-                    dev = [hidden, scale, idx.to(torch.int32), logp.to(torch.float16), lse.float(), ok]
-                    host = [None if t is None else
-                            (torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t, non_blocking=True)
-                             if cuda else t) for t in dev]
-                    event = None
-                    if cuda:
-                        event = torch.cuda.Event()
-                        event.record()
-                    placements = [(buf, s, lo, n, {"b": b, "src": {"file": int(files[s]), "row": int(rows[s])}})
-                                  for b, (s, lo, n) in enumerate(batch)]
-                    self.collect_q.put((event, host, placements))
-                    if self.progress_q is not None:
-                        self.progress_q.put(("batch", 0, len(batch), sum(ns)))
+                    self._batch(model, buf, batch, unit_ids, files, rows, copy_stream)
         finally:
             self.collect_q.put(_STOP)
             for t in threads:
@@ -184,11 +181,49 @@ class Worker:
         if self.error:
             raise self.error
 
+    def _batch(self, model, buf: UnitBuffer, batch, unit_ids, files, rows, copy_stream):
+        dev = self.device
+        seqs = [torch.from_numpy(unit_ids[lo:lo + n].astype(np.int64)) for _, lo, n in batch]
+        ids, att = pad_batch(seqs, self.pad_id)
+        ns = [n for _, _, n in batch]
+        hidden, idx, logp, lse, ok = forward_features(
+            model, ids.to(dev, non_blocking=True), att.to(dev, non_blocking=True), ns, self.layer_ids,
+            self.layout.topk, self.cfg.logit_chunk)
+        if self.layout.precision == "bf16":
+            feats = {"features/hidden": hidden.to(torch.bfloat16).view(torch.int16)}
+        else:
+            q, scale = st.fp8_encode(hidden)
+            feats = {"features/hidden": q, "features/scale": scale}
+        feats.update({"logits/topk_idx": idx.to(torch.int32), "logits/topk_logp": logp.to(torch.float16),
+                      "logits/lse": lse.float()})
+        event, ok_host = None, ok
+        ctx = torch.cuda.stream(copy_stream) if copy_stream is not None else _null()
+        if copy_stream is not None:
+            copy_stream.wait_stream(torch.cuda.current_stream(dev))
+        with ctx:
+            pos = 0
+            for _, lo, n in batch:  # each sample straight into its place in the unit's pinned buffer
+                for name, t in feats.items():
+                    buf.arrays[name][lo:lo + n].copy_(t[pos:pos + n], non_blocking=True)
+                pos += n
+            if copy_stream is not None:
+                ok_host = torch.empty(ok.shape, dtype=torch.bool, pin_memory=True)
+                ok_host.copy_(ok, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(copy_stream)
+        placements = [(buf, b, s, lo, n, {"file": int(files[s]), "row": int(rows[s])})
+                      for b, (s, lo, n) in enumerate(batch)]
+        self.collect_q.put((event, ok_host, (feats, ok), placements))
+        if self.progress_q is not None:
+            self.progress_q.put(("batch", 0, len(batch), sum(ns)))
 
-def _host(t: torch.Tensor) -> np.ndarray:
-    """numpy view in the storage dtype (bf16 bits travel as int16, are stored as uint16)."""
-    a = t.numpy()
-    return a.view(np.uint16) if a.dtype == np.int16 else a
+
+class _null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False
 
 
 def worker_main(cfg: ExtractConfig, rank: int, world: int, device: str, units: list[int], progress_q, threads: int):

@@ -42,9 +42,9 @@ class ExtractConfig:
     topk: int = 16
     batch_tokens: int = 16384           # padded tokens per forward
     max_batch: int = 64
-    shard_tokens: int = 32768           # tokens per unit (= per shard of every token array)
+    shard_tokens: int = 16384           # tokens per unit (= per shard of every token array)
     chunk_tokens: int = 64              # tokens per compressed chunk of features/hidden
-    writers: int = 2                    # units compressed and written in parallel per worker
+    writers: int = 3                    # units compressed and written in parallel per worker
     queue_units: int = 2                # finished units waiting for a writer (bounds host memory)
     dtype: str = "auto"                 # compute dtype: auto = bf16 on GPU, fp32 on CPU
     logit_chunk: int = 2048             # tokens per LM-head chunk when computing top-k and lse
