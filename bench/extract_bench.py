@@ -59,7 +59,7 @@ def main():
     ap.add_argument("--seqs", type=int, default=16)
     ap.add_argument("--batch-tokens", type=int, default=8192)
     ap.add_argument("--precision", default="bf16")
-    ap.add_argument("--codec", default="blosc-zstd1")
+    ap.add_argument("--codec", default="zstd1")
     ap.add_argument("--writers", type=int, default=3)
     ap.add_argument("--shard-tokens", type=int, default=16384)
     ap.add_argument("--dir", default=None, help="where the store is written (default: a temp dir)")

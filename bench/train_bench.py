@@ -161,9 +161,9 @@ def step(device, dcfg, S, A, modes, steps):
 
 # --- loader ---------------------------------------------------------------------------------
 
-def loader(device, dcfg, S, A, n_samples, workers, step_ms, tmpdir):
+def loader(device, dcfg, S, A, n_samples, workers, step_ms, tmpdir, precision="bf16", codec="zstd1"):
     section(f"loader: {n_samples} samples of {S} tokens, {len(dcfg.target_layer_ids)} layers x "
-            f"{dcfg.hidden_size}, {workers} workers")
+            f"{dcfg.hidden_size}, {workers} workers, {precision}/{codec}")
     from extract.__main__ import write_plan, finalize
     from extract.data import Encoded
     from shared import store as st
@@ -173,7 +173,7 @@ def loader(device, dcfg, S, A, n_samples, workers, step_ms, tmpdir):
     shutil.rmtree(store, ignore_errors=True)
     L, H = len(dcfg.target_layer_ids), dcfg.hidden_size
     cfg = ExtractConfig(data="synthetic", target="none", store=str(store), layer_ids=dcfg.target_layer_ids,
-                        max_len=S, shard_tokens=S, batch_tokens=S, progress=False)
+                        max_len=S, shard_tokens=S, batch_tokens=S, progress=False, precision=precision, codec=codec)
     g = torch.Generator().manual_seed(0)
     enc = [Encoded(np.random.default_rng(i).integers(0, 1000, S).astype(np.int32), np.ones(S, np.uint8), 0, i)
            for i in range(n_samples)]
@@ -187,7 +187,12 @@ def loader(device, dcfg, S, A, n_samples, workers, step_ms, tmpdir):
     for u in range(lay.n_units):
         # hidden-state-like values: random normals (compress worse than real features, see notes)
         h = (torch.randn(S, L, H, generator=g) * 2).bfloat16()
-        arrays = {"features/hidden": st.bf16_to_bits(h),
+        if precision == "fp8":
+            q, scale = st.fp8_encode(h)
+            feats = {"features/hidden": q.numpy(), "features/scale": scale.numpy()}
+        else:
+            feats = {"features/hidden": st.bf16_to_bits(h)}
+        arrays = {**feats,
                   "logits/topk_idx": np.zeros((S, 16), np.int32), "logits/topk_logp": np.zeros((S, 16), np.float16),
                   "logits/lse": np.zeros(S, np.float32)}
         st.write_unit(root, store, u, arrays, {"samples": 1, "tokens": S, "dropped": [], "rank": 0})
@@ -198,7 +203,7 @@ def loader(device, dcfg, S, A, n_samples, workers, step_ms, tmpdir):
     s = st.Store(store)
     rows = EpochPlan(s, S, 0, 0, 1).rows(0)
     out = {}
-    for w in sorted({0, workers // 2, workers}):
+    for w in sorted({0, workers // 4, workers // 2, workers}):
         ds = RowDataset(str(store), rows, dcfg.target_layer_ids, S, A, 0, 0, False)
         dl = make_loader(ds, 1, w, 4, device.type == "cuda")
         t = time.perf_counter()
@@ -216,7 +221,7 @@ def loader(device, dcfg, S, A, n_samples, workers, step_ms, tmpdir):
         best = max(v["rows_s"] for v in out.values())
         print(f"one GPU's step consumes {need:.2f} rows/s ({need * S * L * H * 2 / 1e9:.2f} GB/s): "
               f"loader headroom {best / need:.2f}x")
-    RESULTS["loader"] = {"by_workers": out, "step_rows_s": need}
+    RESULTS[f"loader_{precision}_{codec}"] = {"by_workers": out, "step_rows_s": need}
     shutil.rmtree(store, ignore_errors=True)
 
 
@@ -288,6 +293,9 @@ def main():
     ap.add_argument("--loader-samples", type=int, default=12)
     ap.add_argument("--workers", type=int, default=12)
     ap.add_argument("--target-layers", type=int, default=64)
+    ap.add_argument("--step-ms", type=float, default=None, help="step time the loader must keep up with "
+                                                                "(default: measured by the step section)")
+    ap.add_argument("--loader-stores", default="bf16/zstd1", help="precision/codec list, e.g. bf16/zstd1,fp8/zstd1")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -299,7 +307,7 @@ def main():
     else:
         dcfg, S, A = drafter_27b_config(), a.seq_len, a.anchors
     secs = a.sections.split(",")
-    step_ms = None
+    step_ms = a.step_ms
     tmp = tempfile.mkdtemp(prefix="tbench-")
     for name in secs:
         try:
@@ -309,7 +317,9 @@ def main():
                 modes = a.modes.split(",") if device.type == "cuda" else ["none"]
                 step_ms = step(device, dcfg, S, A, modes, a.steps)
             elif name == "loader":
-                loader(device, dcfg, S, A, a.loader_samples, a.workers, step_ms, tmp)
+                for spec in a.loader_stores.split(","):
+                    prec, codec = spec.split("/")
+                    loader(device, dcfg, S, A, a.loader_samples, a.workers, step_ms, tmp, prec, codec)
             elif name == "online":
                 online(device, dcfg, S, A, a.steps, a.target_layers)
         except Exception as e:  # a section that could not run says so; the others still run
