@@ -4,7 +4,8 @@ Nothing is downloaded. The corpus is made from the Python standard library's own
 (every machine with Python has it): each function with a docstring becomes a chat pair
 "write a function that <docstring>" -> its source. The tokenizer is a byte-level BPE trained
 on that corpus; the target is an 8-layer `qwen3_5_text` model (6 Gated DeltaNet layers and 2
-full-attention layers) with random weights, saved as an ordinary HF checkpoint directory.
+full-attention layers) trained briefly on the corpus (a random target is not worth drafting
+for), saved as an ordinary HF checkpoint directory with `tiny_training.json` (held-out loss).
 
     python -m shared.tiny --out build
 """
@@ -123,7 +124,75 @@ def build_target(tokenizer, out: Path, seed: int = 0, **overrides) -> Path:
     return out
 
 
-def build_all(out: Path, seed: int = 0) -> dict[str, Path]:
+def train_target(path: Path, rows: list[dict], steps: int = 250, seq_len: int = 256, batch: int = 8,
+                 lr: float = 3e-3, seed: int = 0, held_out: int = 64) -> dict:
+    """Train the tiny target in place on the chat rows (right-padded batches: packing would leak
+    DeltaNet state across documents). Returns the report written to tiny_training.json."""
+    import math
+    import time
+
+    import torch
+    from tqdm import tqdm
+
+    from shared.target import load_target, load_tokenizer
+    from extract.data import Encoder, RowError
+
+    tok = load_tokenizer(path)
+    enc = Encoder(tok, seq_len, "truncate")
+    seqs = []
+    for i, r in enumerate(rows):
+        try:
+            seqs.append(torch.from_numpy(enc.encode(r, f"row {i}")[0].astype("int64")))
+        except RowError:
+            continue
+    test, train = seqs[:held_out], seqs[held_out:]
+    torch.manual_seed(seed)
+    model = load_target(path, torch.device("cpu"), torch.float32).train().requires_grad_(True)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / 20) * 0.5 * (1 + math.cos(math.pi * min(s / steps, 1.0))))
+    g = torch.Generator().manual_seed(seed)
+
+    def batch_of(items):
+        from extract.features import pad_batch
+        ids, att = pad_batch(items, tok.pad_token_id)
+        labels = ids.masked_fill(att == 0, -100)
+        return ids, att, labels
+
+    def held_out_loss():
+        model.eval()
+        tot, n = 0.0, 0
+        with torch.no_grad():
+            for i in range(0, len(test), batch):
+                ids, att, labels = batch_of(test[i:i + batch])
+                out = model(input_ids=ids, attention_mask=att, labels=labels)
+                k = int((labels[:, 1:] != -100).sum())
+                tot, n = tot + float(out.loss) * k, n + k
+        model.train()
+        return tot / max(n, 1)
+
+    before = held_out_loss()
+    t0 = time.time()
+    for step in tqdm(range(steps), desc="train tiny target", unit=" steps"):
+        pick = torch.randint(0, len(train), (batch,), generator=g).tolist()
+        ids, att, labels = batch_of([train[i] for i in pick])
+        loss = model(input_ids=ids, attention_mask=att, labels=labels).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+    after = held_out_loss()
+    model.eval().save_pretrained(path)
+    report = {"steps": steps, "batch": batch, "seq_len": seq_len, "lr": lr, "train_rows": len(train),
+              "held_out_rows": len(test), "held_out_loss_before": round(before, 4),
+              "held_out_loss_after": round(after, 4), "uniform_loss": round(math.log(len(tok)), 4),
+              "seconds": round(time.time() - t0, 1)}
+    (path / "tiny_training.json").write_text(json.dumps(report, indent=2))
+    return report
+
+
+def build_all(out: Path, seed: int = 0, train_steps: int = 250) -> dict[str, Path]:
     """Corpus, tokenizer and target under `out`; reuses what is already there."""
     out = Path(out)
     corpus = out / "corpus" / "chat.jsonl"
@@ -137,10 +206,16 @@ def build_all(out: Path, seed: int = 0) -> dict[str, Path]:
             for row in rows:
                 f.write(json.dumps(row) + "\n")
         tmp.replace(corpus)
-    if not (target / "config.json").exists():
+    if not (target / "tiny_training.json").exists():
         texts = [m["content"] for r in rows for m in r["messages"]]
         tok = build_tokenizer(texts, target)
         build_target(tok, target, seed=seed)
+        if train_steps:
+            # the corpus is shuffled with the seed: its first rows are the held-out ones
+            report = train_target(target, rows, steps=train_steps, seed=seed)
+            print(f"tiny target held-out loss {report['held_out_loss_before']:.3f} -> "
+                  f"{report['held_out_loss_after']:.3f} (uniform {report['uniform_loss']:.3f}) "
+                  f"in {report['seconds']:.0f}s")
     return {"corpus": corpus, "target": target}
 
 
@@ -148,8 +223,9 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="build", help="output folder (default: build)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--train-steps", type=int, default=250, help="training steps of the tiny target (0: random)")
     args = ap.parse_args()
-    paths = build_all(Path(args.out), seed=args.seed)
+    paths = build_all(Path(args.out), seed=args.seed, train_steps=args.train_steps)
     n = sum(1 for _ in open(paths["corpus"]))
     print(f"corpus: {paths['corpus']} ({n} chat rows)\ntarget: {paths['target']}")
 

@@ -82,6 +82,14 @@ def slot_stats(pred: torch.Tensor, tg: dict, block: int) -> torch.Tensor:
     ])
 
 
+def accepted_per_block(pred: torch.Tensor, tg: dict) -> torch.Tensor:
+    """(B, A) tokens a block would commit at decoding time: 1 + the leading slots 1.. where the
+    drafter's argmax equals the target's own choice (and the slot exists)."""
+    hit = (pred == tg["target_choice"]) & tg["live"]
+    hit = hit[..., 1:].long()
+    return 1 + hit.cumprod(dim=-1).sum(dim=-1)
+
+
 def acceptance_length(acc: list[float]) -> float:
     """Expected acceptance length 1 + sum_k prod_{i<=k} acc_i over slots 1..block-1."""
     tau, run = 1.0, 1.0

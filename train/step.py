@@ -26,20 +26,25 @@ def block_inputs(batch: dict, block: int, mask_token_id: int):
     return tok.reshape(B, A * block), ctx_pos, block_pos
 
 
-def forward_loss(model: DFlashDrafter, embed: torch.Tensor, head: torch.Tensor, batch: dict, *,
-                 labels: str, gamma: float, loss_chunk: int, targets: dict | None = None):
-    """Returns (sum of weight * CE, per-slot stats (3, block), targets). `model` may be a DDP or
-    compiled wrapper of a DFlashDrafter; its config and backend come from the inner module."""
+def draft(model, embed: torch.Tensor, batch: dict) -> torch.Tensor:
+    """The drafter's normed output (B, A*block, H) for every block of a batch: what the target's
+    LM head turns into draft logits. Shared by training, offline evaluation and decoding.
+    `model` may be a DDP or compiled wrapper of a DFlashDrafter."""
     inner = unwrap(model)
     cfg = inner.cfg
-    block = cfg.block_size
-    tok, ctx_pos, block_pos = block_inputs(batch, block, cfg.mask_token_id)
+    tok, ctx_pos, block_pos = block_inputs(batch, cfg.block_size, cfg.mask_token_id)
     need_sliding = "sliding_attention" in cfg.layer_types
-    masks = build_masks(batch, block, cfg.sliding_window, need_sliding,
+    masks = build_masks(batch, cfg.block_size, cfg.sliding_window, need_sliding,
                         "sdpa" if inner.backend == "sdpa" else "flex", batch["input_ids"].device)
     noise = F.embedding(tok, embed)
-    hidden = batch["hidden"].to(noise.dtype)
-    out = model(hidden, noise, ctx_pos, block_pos, masks)
+    return model(batch["hidden"].to(noise.dtype), noise, ctx_pos, block_pos, masks)
+
+
+def forward_loss(model: DFlashDrafter, embed: torch.Tensor, head: torch.Tensor, batch: dict, *,
+                 labels: str, gamma: float, loss_chunk: int, targets: dict | None = None):
+    """Returns (sum of weight * CE, per-slot stats (3, block), targets)."""
+    block = unwrap(model).cfg.block_size
+    out = draft(model, embed, batch)
     tg = targets if targets is not None else slot_targets(batch, block, gamma, labels)
     loss_sum, pred = chunked_loss(out, head, tg, loss_chunk)
     return loss_sum, slot_stats(pred, tg, block), tg

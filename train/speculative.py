@@ -1,0 +1,241 @@
+"""Real speculative decoding at temperature 0 with the target and a DFlash drafter: acceptance
+length (tau, DESIGN.md section 6) and wall-clock speedup over plain greedy decoding.
+
+    python -m train.speculative --drafter runs/x/export --target build/tiny-target \\
+        --data build/corpus/chat.jsonl --prompts 16 --max-new 64
+
+Per block: slot 0 = the last committed token; the drafter fills slots 1..block-1; the target
+verifies all of them in one forward; the longest prefix matching the target's own choices is
+accepted and the target's correction token committed after it. The hybrid target's cache holds
+DeltaNet recurrent/conv states that cannot be cropped: after a partial accept the cache is
+restored from a snapshot taken before verification and advanced over the accepted tokens only.
+The output must equal plain greedy decoding token for token; any difference is an error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import inspect
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from extract.features import capture_layers
+from train.model import DFlashDrafter
+from train.step import draft
+
+
+@dataclass
+class Result:
+    tokens: list[int]
+    forwards: int                      # target forwards (greedy: one per token; spec: verifications)
+    seconds: float
+    blocks: list[int] = field(default_factory=list)   # tokens committed per verification (tau samples)
+    recomputes: int = 0                # re-advances after a partial accept
+    anchors: list[int] = field(default_factory=list)  # position of each block's slot 0
+
+
+def accept_length(drafted: list[int], target_choice: list[int]) -> int:
+    """Accepted draft tokens: the longest prefix where draft i equals the target's choice i."""
+    k = 0
+    while k < len(drafted) and drafted[k] == target_choice[k]:
+        k += 1
+    return k
+
+
+def summarize(blocks: list[int], block_size: int) -> dict:
+    hist = [0] * (block_size + 1)
+    for b in blocks:
+        hist[b] += 1
+    n = max(len(blocks), 1)
+    return {"tau": sum(blocks) / n, "blocks": len(blocks), "histogram": hist}
+
+
+class Target:
+    """A causal LM with a cache, returning logits and the selected layers' hidden states."""
+
+    def __init__(self, model, layer_ids: list[int]):
+        self.model, self.layer_ids = model, layer_ids
+        params = inspect.signature(model.forward).parameters
+        self.cache_kw = "cache" if "cache" in params else "past_key_values"
+
+    def new_cache(self):
+        from transformers import DynamicCache
+        try:
+            return DynamicCache(config=self.model.config)
+        except TypeError:
+            return None
+
+    @torch.no_grad()
+    def __call__(self, ids: list[int], cache):
+        x = torch.tensor([ids], device=self.model.device)
+        with capture_layers(self.model, self.layer_ids) as got:
+            out = self.model(input_ids=x, use_cache=True, **{self.cache_kw: cache})
+        cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None) or cache
+        feats = torch.cat([got[i][0] for i in self.layer_ids], dim=-1) if self.layer_ids else None
+        return out.logits[0].float(), feats, cache
+
+
+def _stop(tokens: list[int], n_prompt: int, max_new: int, eos: int | None) -> bool:
+    new = tokens[n_prompt:]
+    return len(new) >= max_new or (eos is not None and eos in new)
+
+
+def _trim(tokens: list[int], n_prompt: int, max_new: int, eos: int | None) -> list[int]:
+    new = tokens[n_prompt:n_prompt + max_new]
+    if eos is not None and eos in new:
+        new = new[:new.index(eos) + 1]
+    return new
+
+
+@torch.no_grad()
+def greedy(target: Target, prompt: list[int], max_new: int, eos: int | None) -> Result:
+    t0 = time.perf_counter()
+    cache = target.new_cache()
+    logits, _, cache = target(prompt, cache)
+    tokens = prompt + [int(logits[-1].argmax())]
+    forwards = 1
+    while not _stop(tokens, len(prompt), max_new, eos):
+        logits, _, cache = target([tokens[-1]], cache)
+        tokens.append(int(logits[-1].argmax()))
+        forwards += 1
+    return Result(_trim(tokens, len(prompt), max_new, eos), forwards, time.perf_counter() - t0)
+
+
+def drafter_proposal(drafter: DFlashDrafter, embed: torch.Tensor, head: torch.Tensor):
+    """propose(tokens, ctx) -> block_size - 1 draft tokens for the block anchored at the last
+    committed token, from the target features of every earlier position."""
+    dev = embed.device
+
+    def propose(tokens: list[int], ctx: list[torch.Tensor]) -> list[int]:
+        a = len(tokens) - 1
+        hidden = torch.cat(ctx + [torch.zeros_like(ctx[0][:1])], dim=0)  # position a: never visible
+        batch = {"hidden": hidden[None], "input_ids": torch.tensor([tokens], device=dev),
+                 "anchors": torch.tensor([[a]], device=dev),
+                 "anchor_valid": torch.ones(1, 1, dtype=torch.bool, device=dev),
+                 "doc": torch.zeros(1, a + 1, dtype=torch.long, device=dev)}
+        out = draft(drafter, embed, batch)[0]        # (block, H)
+        return (out[1:].to(head.dtype) @ head.T).argmax(-1).tolist()
+
+    return propose
+
+
+@torch.no_grad()
+def speculative(target: Target, propose, prompt: list[int], max_new: int, eos: int | None) -> Result:
+    """`propose` is drafter_proposal(...) (tests also pass oracles to force partial accepts)."""
+    t0 = time.perf_counter()
+    cache = target.new_cache()
+    logits, feats, cache = target(prompt, cache)
+    tokens = prompt + [int(logits[-1].argmax())]
+    ctx = [feats]                                   # target features of every processed position
+    res = Result([], 1, 0.0)
+    while not _stop(tokens, len(prompt), max_new, eos):
+        res.anchors.append(len(tokens) - 1)          # the anchor: last committed, not yet processed
+        drafted = propose(tokens, ctx)
+        snapshot = copy.deepcopy(cache)
+        verify = [tokens[-1]] + drafted
+        logits, feats, cache = target(verify, cache)
+        choice = logits.argmax(-1).tolist()          # choice[i] = target's token for position a+1+i
+        k = accept_length(drafted, choice)
+        tokens += drafted[:k] + [choice[k]]
+        ctx.append(feats[:k + 1])
+        res.blocks.append(k + 1)
+        res.forwards += 1
+        if k < len(drafted):
+            # DeltaNet states cannot be cropped: restore and advance over the accepted tokens only.
+            cache = snapshot
+            _, _, cache = target(verify[:k + 1], cache)
+            res.recomputes += 1
+    res.tokens = _trim(tokens, len(prompt), max_new, eos)
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+def prompts_from(data: str, tokenizer, n: int, max_prompt: int) -> list[list[int]]:
+    """The last n usable chat rows of DATA, cut before their first assistant turn."""
+    from extract.data import iter_rows, normalize_chat, resolve, RowError
+    rows = []
+    for _, _, where, row in iter_rows(resolve(data)):
+        if isinstance(row, RowError) or not isinstance(row, dict):
+            continue
+        try:
+            msgs = normalize_chat(row, where)
+        except RowError:
+            continue
+        if msgs is None:
+            continue
+        first = next(i for i, m in enumerate(msgs) if m["role"] == "assistant")
+        text = tokenizer.apply_chat_template(msgs[:first], tokenize=False, add_generation_prompt=True)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"][-max_prompt:]
+        rows.append(ids)
+    return rows[-n:]
+
+
+def evaluate(target_path: str, drafter_path: str, data: str, n_prompts: int = 16, max_new: int = 64,
+             max_prompt: int = 512, progress: bool = True) -> dict:
+    from tqdm import tqdm
+    from shared.target import load_target, load_tokenizer
+    from train.export import load_drafter
+    device = torch.device("cpu")
+    model = load_target(target_path, device, torch.float32)
+    tok = load_tokenizer(target_path)
+    drafter = load_drafter(drafter_path).eval()
+    target = Target(model, drafter.cfg.target_layer_ids)
+    plain = Target(model, [])
+    embed, head = model.get_input_embeddings().weight, model.lm_head.weight
+    propose = drafter_proposal(drafter, embed, head)
+    eos = tok.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tok.get_vocab() else tok.eos_token_id
+    prompts = prompts_from(data, tok, n_prompts, max_prompt)
+    blocks, t_greedy, t_spec, mismatches, forwards, new_tokens = [], 0.0, 0.0, [], 0, 0
+    for i, p in enumerate(tqdm(prompts, desc="speculative decoding", disable=not progress)):
+        g = greedy(plain, list(p), max_new, eos)
+        s = speculative(target, propose, list(p), max_new, eos)
+        if s.tokens != g.tokens:
+            first = next((j for j, (x, y) in enumerate(zip(s.tokens, g.tokens)) if x != y), min(len(s.tokens), len(g.tokens)))
+            mismatches.append({"prompt": i, "first_difference_at": first})
+        blocks += s.blocks
+        t_greedy, t_spec = t_greedy + g.seconds, t_spec + s.seconds
+        forwards += s.forwards
+        new_tokens += len(s.tokens)
+    summary = summarize(blocks, drafter.cfg.block_size)
+    summary.update({"prompts": len(prompts), "new_tokens": new_tokens,
+                    "tokens_per_target_forward": new_tokens / max(forwards, 1),
+                    "greedy_seconds": round(t_greedy, 3), "speculative_seconds": round(t_spec, 3),
+                    "speedup": t_greedy / max(t_spec, 1e-9), "mismatches": mismatches})
+    return summary
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m train.speculative", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--drafter", required=True, help="exported drafter folder (config.json + model.safetensors)")
+    ap.add_argument("--target", required=True)
+    ap.add_argument("--data", required=True, help="chat rows; the last --prompts rows are used")
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--max-new", type=int, default=64)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args(argv)
+    s = evaluate(a.target, a.drafter, a.data, a.prompts, a.max_new)
+    print(f"tau {s['tau']:.3f} over {s['blocks']} blocks ({s['prompts']} prompts, {s['new_tokens']} tokens); "
+          f"tokens per target forward {s['tokens_per_target_forward']:.3f}")
+    print("accepted-length histogram (tokens committed per verification): "
+          + " ".join(f"{i}:{c}" for i, c in enumerate(s["histogram"]) if c))
+    print(f"wall clock: greedy {s['greedy_seconds']:.2f}s, speculative {s['speculative_seconds']:.2f}s, "
+          f"speedup {s['speedup']:.2f}x")
+    if a.json:
+        Path(a.json).write_text(json.dumps(s, indent=2))
+    if s["mismatches"]:
+        print(f"ERROR: speculative output differs from greedy on {len(s['mismatches'])} prompt(s): "
+              f"{s['mismatches'][:5]}", file=sys.stderr)
+        return 1
+    print("output equals plain greedy decoding on every prompt")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
