@@ -17,13 +17,22 @@ EXTRACT_ARGS ?=
 TRAIN_ARGS   ?=
 PYTEST_ARGS  ?=
 
-.PHONY: venv test extract train inspect verify tiny demo clean
+DRAFTER ?= $(OUT)/export
+PROMPTS ?= 8
+MAX_NEW ?= 48
+GRID    ?= draft_layers=1,2,3
+# The demo's drafter: 2 layers on the tiny target, trained on the target's own choices.
+DEMO_TRAIN ?= --draft-layers 2 --seq-len 1024 --max-anchors 64 --labels argmax --max-steps 600 --lr 3e-3 \
+              --log-every 50 --eval-every 200 --eval-samples 32 --workers 1
+DEMO_EXTRACT ?= --max-len 1024
+
+.PHONY: venv test extract train inspect verify tiny demo eval ablate clean
 
 $(BIN)/.ready: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH_SPEC)"
-	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/pip install -q -e '.[test,plot]'
 	touch $@
 
 venv: $(BIN)/.ready
@@ -50,10 +59,24 @@ verify: venv
 train: venv
 	$(BIN)/python -m train --store "$(STORE)" --out "$(OUT)" --gpus "$(GPUS)" $(if $(DRAFT),--draft "$(DRAFT)") $(TRAIN_ARGS)
 
+# Real speculative decoding with the target and an exported drafter: tau, speedup, exactness.
+eval: venv
+	$(BIN)/python -m train.speculative --drafter "$(DRAFTER)" --target "$(TARGET)" --data "$(DATA)" \
+		--prompts $(PROMPTS) --max-new $(MAX_NEW)
+
+# Several drafter configs from one store, no re-extraction: a table and a PNG in $(OUT)/ablate.
+ablate: venv
+	$(BIN)/python -m train.ablate --store "$(STORE)" --out "$(OUT)/ablate" $(foreach g,$(GRID),--grid $(g)) \
+		$(DEMO_TRAIN) --max-steps 300 --no-progress $(TRAIN_ARGS)
+
+# The whole pipeline on the built-in default: target -> store -> drafter -> real decoding.
 demo: venv build/tiny-target/config.json
-	$(BIN)/python -m extract --data "$(DATA)" --target "$(TARGET)" --store "$(STORE)" --gpus "$(GPUS)" $(EXTRACT_ARGS)
+	$(BIN)/python -m extract --data "$(DATA)" --target "$(TARGET)" --store "$(STORE)" --gpus "$(GPUS)" \
+		$(DEMO_EXTRACT) $(EXTRACT_ARGS)
 	$(BIN)/python -m extract.inspect "$(STORE)" --verify
-	$(BIN)/python -m train --store "$(STORE)" --out "$(OUT)" --gpus "$(GPUS)" $(TRAIN_ARGS)
+	$(BIN)/python -m train --store "$(STORE)" --out "$(OUT)" --gpus "$(GPUS)" $(DEMO_TRAIN) --resume $(TRAIN_ARGS)
+	$(BIN)/python -m train.speculative --drafter "$(OUT)/export" --target "$(TARGET)" --data "$(DATA)" \
+		--prompts $(PROMPTS) --max-new $(MAX_NEW)
 
 clean:
 	rm -rf build stores runs
