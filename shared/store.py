@@ -200,6 +200,7 @@ class Sample:
     topk_logp: torch.Tensor      # (S, K) float32
     lse: torch.Tensor            # (S,) float32
     index: int = 0
+    scale: torch.Tensor | None = None  # (S, L) fp8 scales when read with decode=False
     meta: dict = field(default_factory=dict)
 
 
@@ -272,7 +273,11 @@ class Store:
         lo, hi = self.span(i)
         return self.array("tokens/input_ids")[lo:hi], self.array("tokens/loss_mask")[lo:hi]
 
-    def read(self, i: int, layer_ids: list[int] | None = None, features: bool = True) -> Sample:
+    def read(self, i: int, layer_ids: list[int] | None = None, features: bool = True,
+             decode: bool = True) -> Sample:
+        """One sample. Hidden states come back as bf16 whatever the store's precision; with
+        decode=False an fp8 store returns its e4m3 bits (uint8) and Sample.scale instead, so the
+        conversion can run on the GPU (train.step.draft) rather than in a CPU loader worker."""
         lo, hi = self.span(i)
         pos = self.layer_positions(layer_ids)
         ids, mask = self.array("tokens/input_ids")[lo:hi], self.array("tokens/loss_mask")[lo:hi]
@@ -285,9 +290,9 @@ class Store:
             if self.layout.precision == "bf16":
                 hidden = bits_to_bf16(raw)
             else:
-                scale = self.array("features/scale")[lo:hi][:, pos]
-                hidden = fp8_decode(torch.from_numpy(raw), torch.from_numpy(scale))
-        return Sample(
+                scale = torch.from_numpy(self.array("features/scale")[lo:hi][:, pos])
+                hidden = fp8_decode(torch.from_numpy(raw), scale) if decode else torch.from_numpy(raw)
+        sample = Sample(
             input_ids=torch.from_numpy(ids.astype(np.int64)),
             loss_mask=torch.from_numpy(mask.astype(bool)),
             hidden=hidden,
@@ -296,6 +301,9 @@ class Store:
             lse=torch.from_numpy(self.array("logits/lse")[lo:hi]),
             index=i,
         )
+        if features and not decode and self.layout.precision == "fp8":
+            sample.scale = scale
+        return sample
 
     def lengths(self) -> np.ndarray:
         """All sample lengths: O(N) and read on demand only (the loader buckets by it)."""

@@ -190,3 +190,23 @@ def test_cli_refuses_missing_gpus(store, draft, tmp_path, capsys):
     from train.__main__ import main
     assert main(["--store", str(store), "--out", str(tmp_path / "o"), "--gpus", "0,1"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_fp8_store_decodes_on_the_device_to_the_readers_bf16(tiny, draft, tmp_path):
+    """fp8 rows travel as e4m3 bits + scales; the step's decode equals Store.read's bf16."""
+    from shared.store import Store
+    from train.loader import EpochPlan, RowDataset
+    from train.loop import train
+    from train.step import context_features
+    path = tmp_path / "fp8"
+    extract_run(extract_cfg(tiny, path, precision="fp8"))
+    s = Store(path)
+    rows = EpochPlan(s, 256, 0, 0, 1).rows(0)
+    item = RowDataset(str(path), rows, [0, 3], 256, 16, 0, 0, False)[0]
+    assert item["hidden"].dtype == torch.uint8 and item["hidden_scale"].shape == (256, 2)
+    feats = context_features({k: v[None] for k, v in item.items()})[0]
+    x = s.read(rows[0][1][0], [0, 3])
+    n = len(x.input_ids)
+    assert torch.equal(feats[:n], x.hidden.reshape(n, -1))
+    res = train(tcfg(path, draft, tmp_path / "run", max_steps=2))
+    assert res["step"] == 2 and all(h["loss"] == h["loss"] for h in res["history"])  # finite, no NaN

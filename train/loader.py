@@ -78,22 +78,29 @@ class RowDataset(Dataset):
         s, S = self.store, self.seq_len
         L, H = len(self.layer_ids), s.layout.hidden
         K = s.layout.topk
+        fp8 = s.layout.precision == "fp8"
         out = {
-            "hidden": torch.zeros(S, L * H, dtype=torch.bfloat16),
+            # fp8 stores travel as e4m3 bits + scales (half the bytes); train.step.draft decodes
+            # them on the device
+            "hidden": torch.zeros(S, L * H, dtype=torch.uint8 if fp8 else torch.bfloat16),
             "input_ids": torch.zeros(S, dtype=torch.long),
             "loss_mask": torch.zeros(S, dtype=torch.bool),
             "doc": torch.full((S,), -1, dtype=torch.long),
             "argmax": torch.zeros(S, dtype=torch.long),
         }
+        if fp8:
+            out["hidden_scale"] = torch.zeros(S, L, dtype=torch.float32)
         if self.distill:
             out["topk_idx"] = torch.zeros(S, K, dtype=torch.long)
             out["topk_logp"] = torch.full((S, K), -1e4, dtype=torch.float32)
         pos = 0
         for d, i in enumerate(samples):
-            x = s.read(i, self.layer_ids)
+            x = s.read(i, self.layer_ids, decode=False)
             n = min(len(x.input_ids), S - pos)
             sl = slice(pos, pos + n)
             out["hidden"][sl] = x.hidden[:n].reshape(n, L * H)
+            if fp8:
+                out["hidden_scale"][sl] = x.scale[:n]
             out["input_ids"][sl] = x.input_ids[:n]
             out["loss_mask"][sl] = x.loss_mask[:n]
             out["doc"][sl] = d

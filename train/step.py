@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from shared.store import fp8_decode
 from train.attention import build_masks
 from train.loss import chunked_loss, slot_stats, slot_targets
 from train.model import DFlashDrafter, unwrap
@@ -37,7 +38,17 @@ def draft(model, embed: torch.Tensor, batch: dict) -> torch.Tensor:
     masks = build_masks(batch, cfg.block_size, cfg.sliding_window, need_sliding,
                         "sdpa" if inner.backend == "sdpa" else "flex", batch["input_ids"].device)
     noise = F.embedding(tok, embed)
-    return model(batch["hidden"].to(noise.dtype), noise, ctx_pos, block_pos, masks)
+    return model(context_features(batch).to(noise.dtype), noise, ctx_pos, block_pos, masks)
+
+
+def context_features(batch: dict) -> torch.Tensor:
+    """(B, S, n*H) target features; fp8 batches (e4m3 bits + per token-layer scales) are decoded
+    here, on the device."""
+    h = batch["hidden"]
+    if "hidden_scale" not in batch:
+        return h
+    B, S, L = batch["hidden_scale"].shape
+    return fp8_decode(h.reshape(B, S, L, -1), batch["hidden_scale"]).reshape(B, S, -1)
 
 
 def forward_loss(model: DFlashDrafter, embed: torch.Tensor, head: torch.Tensor, batch: dict, *,
