@@ -106,7 +106,7 @@ def _devices(cfg: ExtractConfig) -> list[str]:
 
 
 def launch(cfg: ExtractConfig, todo: list[int], total_units: int, layout: st.Layout):
-    from tqdm import tqdm
+    from shared.progress import progress_bar
     from extract.worker import worker_main
 
     devices = _devices(cfg)
@@ -115,8 +115,8 @@ def launch(cfg: ExtractConfig, todo: list[int], total_units: int, layout: st.Lay
     threads = max(1, (os.cpu_count() or 1) // world)
     n_samples = layout.n_samples
     done_samples = sum(m["samples"] for m in st.done_units(cfg.store).values())
-    bar = tqdm(total=n_samples, initial=done_samples, desc=f"extract ({world} worker{'s' * (world > 1)})",
-               unit=" samples", disable=not cfg.progress, dynamic_ncols=True)
+    bar = progress_bar(total=n_samples, initial=done_samples, desc=f"extract ({world} worker{'s' * (world > 1)})",
+               unit=" samples", disable=not cfg.progress)
     t0, tokens = time.time(), 0
     ctx = mp.get_context("spawn")
     q = ctx.Queue() if world > 1 else queue.Queue()

@@ -242,10 +242,10 @@ class Encoder:
 
 def encode_all(data: str, tokenizer, max_len: int, too_long: str, progress: bool = True):
     """Every usable row of DATA, encoded, with a report of what was skipped and why."""
-    from tqdm import tqdm
+    from shared.progress import progress_bar
     files = resolve(data)
     enc, report, out = Encoder(tokenizer, max_len, too_long), Report(), []
-    for fi, ri, where, row in tqdm(iter_rows(files), desc="tokenize", unit=" rows", disable=not progress):
+    for fi, ri, where, row in progress_bar(iter_rows(files), desc="tokenize", unit=" rows", disable=not progress):
         report.rows += 1
         try:
             if isinstance(row, RowError):

@@ -10,7 +10,7 @@ import json
 import sys
 
 import numpy as np
-from tqdm import tqdm
+from shared.progress import progress_bar
 
 from shared import store as st
 
@@ -32,7 +32,7 @@ def verify(path: str, progress: bool = True) -> list[str]:
     if (offsets[order][1:] < (offsets + lengths)[order][:-1]).any():
         problems.append("samples overlap")
     done = st.done_units(path)
-    for u in tqdm(range(lay.n_units), desc="verify", unit=" units", disable=not progress):
+    for u in progress_bar(range(lay.n_units), desc="verify", unit=" units", disable=not progress):
         if u not in done:
             problems.append(f"unit {u}: not written")
             continue

@@ -132,7 +132,7 @@ def train_target(path: Path, rows: list[dict], steps: int = 250, seq_len: int = 
     import time
 
     import torch
-    from tqdm import tqdm
+    from shared.progress import progress_bar
 
     from shared.target import load_target, load_tokenizer
     from extract.data import Encoder, RowError
@@ -173,7 +173,7 @@ def train_target(path: Path, rows: list[dict], steps: int = 250, seq_len: int = 
 
     before = held_out_loss()
     t0 = time.time()
-    for step in tqdm(range(steps), desc="train tiny target", unit=" steps"):
+    for step in progress_bar(range(steps), desc="train tiny target", unit=" steps"):
         pick = torch.randint(0, len(train), (batch,), generator=g).tolist()
         ids, att, labels = batch_of([train[i] for i in pick])
         loss = model(input_ids=ids, attention_mask=att, labels=labels).loss

@@ -31,7 +31,7 @@ def parse_args(argv=None) -> TrainConfig:
     ap.add_argument("--target", default=None, help="where embed_tokens/lm_head are read (default: the "
                                                    "manifest's target path)")
     simple = {f.name: f for f in fields(TrainConfig)
-              if f.name not in ("store", "out", "gpus", "draft", "target", "resume", "progress")}
+              if f.name not in ("store", "out", "gpus", "draft", "target", "resume", "progress", "online")}
     for name, f in simple.items():
         default = getattr(d, name)
         typ = {"int": int, "float": float, "str": str}.get(str(f.type).split(" ")[0], None)
@@ -39,11 +39,13 @@ def parse_args(argv=None) -> TrainConfig:
             typ = int if "int" in str(f.type) else str
         ap.add_argument("--" + name.replace("_", "-"), type=typ, default=default)
     ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--online", action="store_true", help="baseline: target forward in every step (needs the "
+                                                          "whole target; features from the store are ignored)")
     ap.add_argument("--no-progress", action="store_true")
     a = ap.parse_args(argv)
     kw = {name: getattr(a, name) for name in simple}
     return TrainConfig(store=a.store, out=a.out, gpus=parse_gpus(a.gpus), draft=a.draft, target=a.target,
-                       resume=a.resume, progress=not a.no_progress, **kw)
+                       resume=a.resume, progress=not a.no_progress, online=a.online, **kw)
 
 
 def _replace_gpus(argv: list[str], value: str) -> list[str]:

@@ -167,6 +167,7 @@ class TrainConfig:
     eval_every: int = 0
     eval_samples: int = 0              # held out from training for the offline tau estimate
     loss_chunk: int = 4096             # rows per LM-head chunk in the loss
+    online: bool = False               # baseline: run the target in the step instead of reading features
     resume: bool = False
     progress: bool = True
 

@@ -177,6 +177,11 @@ def train(cfg: TrainConfig) -> dict:
     dtype = {"auto": torch.bfloat16 if cuda else torch.float32, "bf16": torch.bfloat16,
              "fp32": torch.float32}[cfg.dtype]
     embed, head = embed.to(device, dtype), head.to(device, dtype)  # frozen, never in the optimizer
+    online = None
+    if cfg.online:
+        from shared.target import load_target
+        from train.online import OnlineFeatures
+        online = OnlineFeatures(load_target(target, device, dtype), dcfg.target_layer_ids)
 
     backend = {"auto": "flex" if cuda else "sdpa", "flex": "flex", "sdpa": "sdpa"}[cfg.attention]
     if backend == "flex" and cfg.compile == "attention":
@@ -248,9 +253,8 @@ def train(cfg: TrainConfig) -> dict:
         except Exception:
             tb = None
 
-    from tqdm import tqdm
-    bar = tqdm(total=total, initial=step, desc="train", unit=" steps", disable=rank != 0 or not cfg.progress,
-               dynamic_ncols=True)
+    from shared.progress import progress_bar
+    bar = progress_bar(total=total, initial=step, desc="train", unit=" steps", disable=rank != 0 or not cfg.progress)
     t_last, window = time.time(), None
     params = [p for p in model.parameters() if p.requires_grad]
     if cuda:
@@ -265,6 +269,8 @@ def train(cfg: TrainConfig) -> dict:
             if step >= total:
                 break
             mbs = [{k: v.to(device, non_blocking=True) for k, v in next(it).items()} for _ in range(cfg.grad_accum)]
+            if online is not None:
+                mbs = [online(mb) for mb in mbs]  # baseline: features from the target, not the store
             r = train_step(ddp, params, opt, sched, embed, head, mbs, labels=cfg.labels, gamma=cfg.gamma,
                            loss_chunk=cfg.loss_chunk, grad_clip=cfg.grad_clip, autocast=autocast)
             window = r if window is None else {k: window[k] + r[k] for k in ("loss_sum", "weight", "stats", "tokens")}

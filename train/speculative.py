@@ -178,7 +178,7 @@ def prompts_from(data: str, tokenizer, n: int, max_prompt: int) -> list[list[int
 
 def evaluate(target_path: str, drafter_path: str, data: str, n_prompts: int = 16, max_new: int = 64,
              max_prompt: int = 512, progress: bool = True) -> dict:
-    from tqdm import tqdm
+    from shared.progress import progress_bar
     from shared.target import load_target, load_tokenizer
     from train.export import load_drafter
     device = torch.device("cpu")
@@ -192,7 +192,7 @@ def evaluate(target_path: str, drafter_path: str, data: str, n_prompts: int = 16
     eos = tok.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tok.get_vocab() else tok.eos_token_id
     prompts = prompts_from(data, tok, n_prompts, max_prompt)
     blocks, t_greedy, t_spec, mismatches, forwards, new_tokens = [], 0.0, 0.0, [], 0, 0
-    for i, p in enumerate(tqdm(prompts, desc="speculative decoding", disable=not progress)):
+    for i, p in enumerate(progress_bar(prompts, desc="speculative decoding", disable=not progress)):
         g = greedy(plain, list(p), max_new, eos)
         s = speculative(target, propose, list(p), max_new, eos)
         if s.tokens != g.tokens:
