@@ -105,7 +105,7 @@ def _devices(cfg: ExtractConfig) -> list[str]:
     return [f"cuda:{g}" for g in cfg.gpus] if cfg.gpus else ["cpu"] * cfg.cpu_workers
 
 
-def launch(cfg: ExtractConfig, todo: list[int], total_units: int, layout: st.Layout):
+def launch(cfg: ExtractConfig, todo: list[int], layout: st.Layout):
     from shared.progress import progress_bar
     from extract.worker import worker_main
 
@@ -115,8 +115,8 @@ def launch(cfg: ExtractConfig, todo: list[int], total_units: int, layout: st.Lay
     threads = max(1, (os.cpu_count() or 1) // world)
     n_samples = layout.n_samples
     done_samples = sum(m["samples"] for m in st.done_units(cfg.store).values())
-    bar = progress_bar(total=n_samples, initial=done_samples, desc=f"extract ({world} worker{'s' * (world > 1)})",
-               unit=" samples", disable=not cfg.progress)
+    bar = progress_bar(total=n_samples, initial=done_samples, unit=" samples", disable=not cfg.progress,
+                       desc=f"extract ({world} worker{'s' * (world > 1)})")
     t0, tokens = time.time(), 0
     ctx = mp.get_context("spawn")
     q = ctx.Queue() if world > 1 else queue.Queue()
@@ -280,7 +280,7 @@ def run(cfg: ExtractConfig) -> dict:
     layout = st.Layout(**st.zarr.open_group(store=str(store), mode="r").attrs["dflash"]["layout"])
     done = st.done_units(store)
     todo = [u for u in range(layout.n_units) if u not in done]
-    seconds, _ = launch(cfg, todo, layout.n_units, layout) if todo else (0.0, 0)
+    seconds, _ = launch(cfg, todo, layout) if todo else (0.0, 0)
     summary = finalize(cfg, seconds)
     return summary
 

@@ -208,3 +208,27 @@ def test_verify_passes_and_catches_corruption(tiny, reference, tmp_path):
     assert any("unit 1: features/hidden checksum" in p for p in problems)
     (store / "_progress" / "unit-0000000.json").unlink()
     assert any("unit 0: not written" in p for p in verify(str(store), progress=False))
+
+
+def test_opening_a_store_reads_no_per_sample_data(tmp_path, monkeypatch):
+    """Opening cost does not grow with the sample count: a 10M-sample store opens without any
+    index chunk existing on disk, and one sample's index is read a chunk at a time."""
+    lay = st.Layout(n_layers=2, hidden=8, topk=2, precision="bf16", codec="zstd1", shard_tokens=1024,
+                    chunk_tokens=64, n_units=1, n_samples=10_000_000)
+    path = tmp_path / "big"
+    st.create(path, lay, {"layer_ids": [0, 1], "complete": True})
+    root = st.zarr.open_group(str(path), mode="r+")
+    root.attrs["dflash"] = {**root.attrs["dflash"], "complete": True}
+    reads = []
+    real = st.Store.array
+
+    def spy(self, name):
+        reads.append(name)
+        return real(self, name)
+
+    monkeypatch.setattr(st.Store, "array", spy)
+    s = st.Store(path)
+    assert len(s) == 10_000_000 and reads == []
+    assert not any(p.is_file() for p in (path / "index").rglob("c/*"))  # no index chunk written at all
+    assert s.span(9_999_999) == (0, 0)  # fill values: one chunk of each index array, nothing else
+    assert set(reads) == {"index/offset", "index/length"}
