@@ -24,7 +24,7 @@ GRID    ?= draft_layers=1,2,3
 # The demo's drafter: 2 layers on the tiny target, trained on the target's own choices.
 DEMO_TRAIN ?= --draft-layers 2 --seq-len 1024 --max-anchors 64 --labels argmax --max-steps 600 --lr 3e-3 \
               --log-every 50 --eval-every 200 --eval-samples 32 --workers 1
-DEMO_EXTRACT ?= --max-len 1024
+DEMO_EXTRACT ?=
 
 .PHONY: venv test extract train inspect verify tiny demo eval ablate clean
 
@@ -41,13 +41,13 @@ venv: $(BIN)/.ready
 tiny: venv
 	$(BIN)/python -m shared.tiny --out build
 
-build/tiny-target/config.json build/corpus/chat.jsonl:
+build/tiny-target/tiny_training.json build/corpus/chat.jsonl:
 	$(MAKE) tiny
 
 test: venv
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
-extract: venv $(if $(filter build/%,$(TARGET) $(DATA)),build/tiny-target/config.json)
+extract: venv $(if $(filter build/%,$(TARGET) $(DATA)),build/tiny-target/tiny_training.json)
 	$(BIN)/python -m extract --data "$(DATA)" --target "$(TARGET)" --store "$(STORE)" --gpus "$(GPUS)" $(EXTRACT_ARGS)
 
 inspect: venv
@@ -70,7 +70,7 @@ ablate: venv
 		$(DEMO_TRAIN) --max-steps 300 --no-progress $(TRAIN_ARGS)
 
 # The whole pipeline on the built-in default: target -> store -> drafter -> real decoding.
-demo: venv build/tiny-target/config.json
+demo: venv build/tiny-target/tiny_training.json
 	$(BIN)/python -m extract --data "$(DATA)" --target "$(TARGET)" --store "$(STORE)" --gpus "$(GPUS)" \
 		$(DEMO_EXTRACT) $(EXTRACT_ARGS)
 	$(BIN)/python -m extract.inspect "$(STORE)" --verify
