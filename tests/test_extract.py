@@ -232,3 +232,23 @@ def test_opening_a_store_reads_no_per_sample_data(tmp_path, monkeypatch):
     assert not any(p.is_file() for p in (path / "index").rglob("c/*"))  # no index chunk written at all
     assert s.span(9_999_999) == (0, 0)  # fill values: one chunk of each index array, nothing else
     assert set(reads) == {"index/offset", "index/length"}
+
+
+def test_plain_qwen3_target(tiny, tmp_path):
+    """The non-hybrid family member (model type qwen3) goes through the same extraction."""
+    from transformers import AutoModelForCausalLM, Qwen3Config
+    path = tmp_path / "qwen3"
+    torch.manual_seed(0)
+    cfg = Qwen3Config(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                      num_attention_heads=2, num_key_value_heads=1, head_dim=32)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    tiny["tokenizer"].save_pretrained(path)
+    store = tmp_path / "store"
+    run(extract_cfg(tiny, store, target=str(path), layer_ids=[0, 2], max_batch=1))
+    s = st.Store(store)
+    assert s.manifest["target"]["model_type"] == "qwen3" and s.layout.n_layers == 2
+    model = load_target(path, torch.device("cpu"), torch.float32)
+    x = s.read(4)
+    ids = x.input_ids[None]
+    hidden, *_ = forward_features(model, ids, torch.ones_like(ids), [ids.shape[1]], [0, 2], topk=8)
+    assert torch.equal(x.hidden.view(torch.int16), hidden.bfloat16().view(torch.int16))
