@@ -22,7 +22,7 @@ PROMPTS ?= 8
 MAX_NEW ?= 48
 GRID    ?= draft_layers=1,2,3
 # The demo's drafter: 2 layers on the tiny target, trained on the target's own choices.
-DEMO_TRAIN ?= --draft-layers 2 --seq-len 1024 --max-anchors 64 --labels argmax --max-steps 600 --lr 3e-3 \
+DEMO_TRAIN ?= --draft-layers 2 --seq-len 1024 --max-anchors 64 --labels argmax --max-steps 600 --lr 8e-3 \
               --log-every 50 --eval-every 200 --eval-samples 32 --workers 1
 DEMO_EXTRACT ?=
 
