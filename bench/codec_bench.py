@@ -16,13 +16,12 @@ import time
 
 import numcodecs
 import numpy as np
-import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from numcodecs import LZ4, Blosc, Shuffle, Zstd  # noqa: E402
 
-from shared.store import Store, bf16_to_bits, bits_to_bf16, fp8_encode  # noqa: E402
+from shared.store import Store, bits_to_bf16, fp8_encode  # noqa: E402
 
 
 def codecs(itemsize):

@@ -17,7 +17,6 @@ Sections:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
 import json
 import shutil
@@ -28,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from shapes import VOCAB_27B, drafter_27b_config, random_target, target_27b_config  # noqa: E402
+from shapes import drafter_27b_config, random_target, target_27b_config  # noqa: E402
 
 from train.config import DrafterConfig
 from train.mask import sample_anchors

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import fcntl
-import json
 import multiprocessing as mp
 import os
 import queue
@@ -17,7 +16,6 @@ import shutil
 import sys
 import threading
 import time
-from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
 

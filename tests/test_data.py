@@ -7,7 +7,6 @@ import json
 import numpy as np
 import pytest
 
-from conftest import extract_cfg
 from extract.data import DataError, Encoder, RowError, encode_all, resolve
 
 

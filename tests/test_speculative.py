@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import random
 
 import pytest
@@ -99,9 +98,7 @@ def test_offline_estimate_equals_real_acceptance(tiny, target):
                         intermediate_size=128, num_hidden_layers=1, vocab_size=512, num_target_layers=4,
                         target_layer_ids=[0, 1, 3], mask_token_id=3, block_size=4)
     drafter = DFlashDrafter(cfg).eval()
-    # Make the drafter agree with the target often, so blocks of every length occur: reuse the
-    # target's own last-layer weights is not possible (different shapes); instead scale up the
-    # fused context's influence by training a few steps on the target's choices.
+    # A few training steps on the target's own choices, so that blocks of several lengths occur.
     embed, head = target.get_input_embeddings().weight, target.lm_head.weight
     p = prompts(tiny, 1)[0]
     ref = greedy(Target(target, []), list(p), 48, eos=None)

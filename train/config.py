@@ -177,7 +177,7 @@ class TrainConfig:
         if self.compile not in ("attention", "full", "none"):
             raise ConfigError(f"--compile must be attention, full or none, not {self.compile!r}")
         if self.attention not in ("auto", "flex", "sdpa"):
-            raise ConfigError(f"--attention must be auto, flex or sdpa")
+            raise ConfigError("--attention must be auto, flex or sdpa")
         if self.micro_batch < 1 or self.grad_accum < 1 or self.max_anchors < 1:
             raise ConfigError("--micro-batch, --grad-accum and --max-anchors must be positive")
         return self

@@ -7,7 +7,6 @@ import json
 import math
 import os
 import resource
-import shutil
 import socket
 import sys
 import time
