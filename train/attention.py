@@ -35,11 +35,9 @@ def build_masks(batch: dict, block: int, window: int | None, need_sliding: bool,
     anchors, valid, doc = batch["anchors"], batch["anchor_valid"], batch["doc"]
     B, A = anchors.shape
     Q, KV = A * block, doc.shape[1] + A * block
-    out = {}
-    for name, w in (("full", None), ("sliding", window if need_sliding else None)):
-        if name == "sliding" and not need_sliding:
-            out[name] = None
-            continue
+
+    def mask(w):
         mod = make_mask_mod(anchors, valid, doc, block, w)
-        out[name] = dense_mask(mod, B, Q, KV, device) if backend == "sdpa" else block_mask(mod, B, Q, KV, device)
-    return out
+        return dense_mask(mod, B, Q, KV, device) if backend == "sdpa" else block_mask(mod, B, Q, KV, device)
+
+    return {"full": mask(None), "sliding": mask(window) if need_sliding else None}

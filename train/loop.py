@@ -13,6 +13,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -21,7 +22,7 @@ from shared.store import Store, StoreError
 from shared.target import load_embed_and_head, tokenizer_fingerprint
 from train.config import ConfigError, DrafterConfig, TrainConfig
 from train.export import export
-from train.loader import EpochPlan, RowDataset, make_loader
+from train.loader import EpochPlan, RowDataset, make_loader, pack_rows
 from train.loss import metrics_from_stats
 from train.model import DFlashDrafter, param_count, score_memory_bytes, unwrap
 from train.step import forward_loss, train_step
@@ -235,8 +236,6 @@ def train(cfg: TrainConfig) -> dict:
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if dtype == torch.bfloat16 else contextlib.nullcontext()
     eval_loader = None
     if held:
-        from train.loader import pack_rows
-        import numpy as np
         eval_rows = list(enumerate(pack_rows(plan.lengths, np.asarray(held), cfg.seq_len)))[rank::world]
         eval_loader = make_loader(RowDataset(cfg.store, eval_rows, dcfg.target_layer_ids, cfg.seq_len, A,
                                              cfg.seed, -1, cfg.labels == "distill"),

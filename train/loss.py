@@ -27,9 +27,11 @@ def slot_targets(batch: dict, block: int, gamma: float, labels: str):
     decay = torch.exp(-(k - 1).clamp(min=0).float() / gamma)
     weight = live.float() * decay
     out = {"label": label, "weight": weight, "live": live, "target_choice": target_choice}
-    if labels == "distill":
-        out["soft_idx"] = torch.gather(batch["topk_idx"], 1, prev.reshape(B, -1, 1).expand(-1, -1, batch["topk_idx"].shape[-1])).reshape(*prev.shape, -1)
-        out["soft_logp"] = torch.gather(batch["topk_logp"], 1, prev.reshape(B, -1, 1).expand(-1, -1, batch["topk_logp"].shape[-1])).reshape(*prev.shape, -1)
+    if labels == "distill":  # the target's stored top-k at a+k-1: its distribution for token a+k
+        K = batch["topk_idx"].shape[-1]
+        rows = prev.reshape(B, -1, 1).expand(-1, -1, K)
+        out["soft_idx"] = torch.gather(batch["topk_idx"], 1, rows).reshape(*prev.shape, K)
+        out["soft_logp"] = torch.gather(batch["topk_logp"], 1, rows).reshape(*prev.shape, K)
     return out
 
 
