@@ -12,6 +12,7 @@ The device never waits on compression or disk:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import threading
@@ -197,7 +198,11 @@ class Worker:
         feats.update({"logits/topk_idx": idx.to(torch.int32), "logits/topk_logp": logp.to(torch.float16),
                       "logits/lse": lse.float()})
         event, ok_host = None, ok
-        ctx = torch.cuda.stream(copy_stream) if copy_stream is not None else _null()
+        want = buf.arrays["features/hidden"].shape[1:]
+        if feats["features/hidden"].shape[1:] != want:  # copy_ would broadcast a wrong layer count silently
+            raise RuntimeError(f"features of shape {tuple(feats['features/hidden'].shape[1:])} for a store "
+                               f"of {tuple(want)}")
+        ctx = torch.cuda.stream(copy_stream) if copy_stream is not None else contextlib.nullcontext()
         if copy_stream is not None:
             copy_stream.wait_stream(torch.cuda.current_stream(dev))
         with ctx:
@@ -216,14 +221,6 @@ class Worker:
         self.collect_q.put((event, ok_host, (feats, ok), placements))
         if self.progress_q is not None:
             self.progress_q.put(("batch", 0, len(batch), sum(ns)))
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
 
 
 def worker_main(cfg: ExtractConfig, rank: int, world: int, device: str, units: list[int], progress_q, threads: int):

@@ -252,3 +252,18 @@ def test_plain_qwen3_target(tiny, tmp_path):
     ids = x.input_ids[None]
     hidden, *_ = forward_features(model, ids, torch.ones_like(ids), [ids.shape[1]], [0, 2], topk=8)
     assert torch.equal(x.hidden.view(torch.int16), hidden.bfloat16().view(torch.int16))
+
+
+def test_wrong_layer_count_is_an_error_not_a_broadcast(tiny, tmp_path, monkeypatch):
+    """A copy of (n, 1, H) features into an (n, 3, H) buffer would broadcast silently."""
+    import extract.worker as w
+    real = w.forward_features
+
+    def one_layer(*a, **kw):
+        hidden, *rest = real(*a, **kw)
+        return (hidden[:, :1], *rest)
+
+    monkeypatch.setattr(w, "forward_features", one_layer)
+    with pytest.raises(RuntimeError, match=r"features of shape \(1, 64\) for a store of \(3, 64\)"):
+        run(extract_cfg(tiny, tmp_path / "s"))
+    assert not st.done_units(tmp_path / "s")
