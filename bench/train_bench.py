@@ -167,7 +167,7 @@ def loader(device, dcfg, S, A, n_samples, workers, step_ms, tmpdir, precision="b
     from extract.data import Encoded
     from shared import store as st
     from shared.config import ExtractConfig
-    from train.loader import EpochPlan, RowDataset, make_loader
+    from train.loader import EpochPlan, RowDataset, RowSpec, make_loader
     store = Path(tmpdir) / "loader-store"
     shutil.rmtree(store, ignore_errors=True)
     L, H = len(dcfg.target_layer_ids), dcfg.hidden_size
@@ -203,7 +203,7 @@ def loader(device, dcfg, S, A, n_samples, workers, step_ms, tmpdir, precision="b
     rows = EpochPlan(s, S, 0, 0, 1).rows(0) * 4  # 4 passes: worker start-up amortised (page cache warm)
     out = {}
     for w in sorted({0, workers // 4, workers // 2, workers}):
-        ds = RowDataset(str(store), rows, dcfg.target_layer_ids, S, A, 0, 0, False)
+        ds = RowDataset(str(store), rows, RowSpec(tuple(dcfg.target_layer_ids), S, A, 0), 0)
         dl = make_loader(ds, 1, w, 4, device.type == "cuda")
         t = time.perf_counter()
         n = 0

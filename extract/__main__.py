@@ -24,8 +24,9 @@ import numpy as np
 from extract.data import DataError, describe, encode_all, resolve
 from shared import store as st
 from shared.config import ExtractConfig, parse_gpus
-from shared.target import (LAYER_CONVENTION, TargetError, default_layer_ids, load_tokenizer,
-                           read_config, tokenizer_fingerprint, weights_fingerprint)
+from shared.target import (LAYER_CONVENTION, TargetError, check_safetensors, default_layer_ids,
+                           load_embed_and_head, load_tokenizer, read_config, tensors_fingerprint,
+                           tokenizer_fingerprint, weights_fingerprint)
 
 
 class ExtractError(RuntimeError):
@@ -208,7 +209,8 @@ def _manifest(cfg: ExtractConfig, tcfg: dict, tokenizer, layer_ids: list[int], s
         "target": {"path": str(Path(cfg.target).resolve()), "model_type": tcfg["model_type"],
                    "num_hidden_layers": tcfg["num_hidden_layers"], "hidden_size": tcfg["hidden_size"],
                    "vocab_size": tcfg["vocab_size"], "layer_types": tcfg.get("layer_types"),
-                   "weights_fingerprint": weights_fingerprint(cfg.target), "config": tcfg},
+                   "weights_fingerprint": weights_fingerprint(cfg.target),
+                   "tensors_fingerprint": tensors_fingerprint(*load_embed_and_head(cfg.target)), "config": tcfg},
         "tokenizer": {"fingerprint": tokenizer_fingerprint(tokenizer), "size": len(tokenizer),
                       "pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id,
                       "mask_token_id": tokenizer.mask_token_id},
@@ -241,6 +243,7 @@ def run(cfg: ExtractConfig) -> dict:
     cfg.validate()
     store = Path(cfg.store)
     tcfg = read_config(cfg.target)
+    check_safetensors(cfg.target)
     tokenizer = load_tokenizer(cfg.target)
     L = tcfg["num_hidden_layers"]
     layer_ids = sorted(cfg.layer_ids) if cfg.layer_ids else default_layer_ids(L, cfg.draft_layers)

@@ -30,16 +30,17 @@ from __future__ import annotations
 import json
 import os
 import zlib
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 import zarr
-from zarr.codecs import BloscCodec, BloscShuffle, ZstdCodec
+from zarr.codecs import BloscCodec, BloscShuffle, Crc32cCodec, ZstdCodec
 from zarr.codecs.numcodecs import LZ4, Shuffle
 
-FORMAT_VERSION = 1
+# 2: every chunk carries a crc32c of its compressed bytes, checked by zarr on every read.
+FORMAT_VERSION = 2
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
@@ -50,8 +51,15 @@ class StoreError(RuntimeError):
 # --- codecs -----------------------------------------------------------------------------
 
 def _codecs(name: str, itemsize: int):
-    """(filters, compressors) for a codec name. Byte shuffle groups the exponent bytes of
-    bf16 values together, which is where the redundancy is (DESIGN.md section 8)."""
+    """(filters, compressors) for a codec name, with a crc32c of each compressed chunk last, so
+    that flipped or truncated bytes are an error when read, never values that decode to garbage.
+    Byte shuffle groups the exponent bytes of bf16 values together, which is where the redundancy
+    is (docs/DESIGN.md, "Measured toolchain facts")."""
+    filters, compressors = _compression(name, itemsize)
+    return filters, (*compressors, Crc32cCodec())
+
+
+def _compression(name: str, itemsize: int):
     if name == "none":
         return (), ()
     if name == "zstd1":
@@ -125,7 +133,7 @@ def create(path: Path, layout: Layout, manifest: dict) -> zarr.Group:
     for name, dtype in INDEX_ARRAYS.items():
         root.create_array(name, shape=(layout.n_samples,), dtype=dtype, chunks=(min(n, 1 << 16),),
                           shards=(min(n, 1 << 22),) if n > (1 << 16) else None,
-                          compressors=(ZstdCodec(level=3),), fill_value=0)
+                          compressors=(ZstdCodec(level=3), Crc32cCodec()), fill_value=0)
     root.attrs["dflash"] = {**manifest, "format_version": FORMAT_VERSION, "layout": asdict(layout),
                             "complete": False}
     (Path(path) / "_progress").mkdir(exist_ok=True)
@@ -199,9 +207,7 @@ class Sample:
     topk_idx: torch.Tensor       # (S, K) int64
     topk_logp: torch.Tensor      # (S, K) float32
     lse: torch.Tensor            # (S,) float32
-    index: int = 0
     scale: torch.Tensor | None = None  # (S, L) fp8 scales when read with decode=False
-    meta: dict = field(default_factory=dict)
 
 
 class Store:
@@ -219,8 +225,8 @@ class Store:
         if man is None:
             raise StoreError(f"{self.path}: a zarr group but not a feature store (no 'dflash' manifest)")
         if man.get("format_version") != FORMAT_VERSION:
-            raise StoreError(f"{self.path}: format version {man.get('format_version')}, "
-                             f"this code reads {FORMAT_VERSION}")
+            raise StoreError(f"{self.path}: format version {man.get('format_version')}, this code reads "
+                             f"{FORMAT_VERSION} (version 2 added per-chunk checksums): re-extract it")
         if require_complete and not man.get("complete"):
             n_done = len(list((self.path / "_progress").glob("unit-*.json")))
             raise StoreError(f"{self.path}: extraction is not complete ({n_done} of "
@@ -257,8 +263,18 @@ class Store:
         off = self._index("index/offset", i)
         return off, off + self._index("index/length", i)
 
-    def ok(self, i: int) -> bool:
-        return bool(self._index("index/ok", i))
+    def unit_of(self, i: int) -> int:
+        return self._index("index/offset", i) // self.layout.shard_tokens
+
+    def describe_sample(self, i: int, with_store: bool = True) -> str:
+        """"STORE: unit U, sample I (file F row R)": what an error about one sample names."""
+        try:
+            files = self.manifest["data"]["files"]
+            src = f" ({files[self._index('index/file', i)]['path']} row {self._index('index/row', i)})"
+            unit = f"unit {self.unit_of(i)}, "
+        except Exception:  # the index itself is damaged: name what is known
+            src, unit = "", ""
+        return (f"{self.path}: " if with_store else "") + f"{unit}sample {i}{src}"
 
     def layer_positions(self, layer_ids: list[int] | None) -> list[int]:
         if layer_ids is None:
@@ -299,7 +315,6 @@ class Store:
             topk_idx=torch.from_numpy(self.array("logits/topk_idx")[lo:hi].astype(np.int64)),
             topk_logp=torch.from_numpy(self.array("logits/topk_logp")[lo:hi].astype(np.float32)),
             lse=torch.from_numpy(self.array("logits/lse")[lo:hi]),
-            index=i,
         )
         if features and not decode and self.layout.precision == "fp8":
             sample.scale = scale

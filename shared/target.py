@@ -100,6 +100,27 @@ def _safetensors_header(f: Path) -> bytes:
         return fh.read(n)
 
 
+def check_safetensors(path: str | Path):
+    """Open every safetensors file's header before any work: a truncated download or a garbled
+    header is refused with the file's name, not found by a traceback after the store is planned."""
+    for f in sorted(Path(path).glob("*.safetensors")):
+        size = f.stat().st_size
+        try:
+            if size < 8:
+                raise ValueError(f"{size} bytes, shorter than a safetensors header")
+            with f.open("rb") as fh:
+                n = struct.unpack("<Q", fh.read(8))[0]
+            if n > size - 8:
+                raise ValueError(f"header claims {n:,} bytes, the file has {size - 8:,} after its length")
+            header = json.loads(_safetensors_header(f))
+            end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+        except (ValueError, KeyError, TypeError, struct.error, UnicodeDecodeError) as e:
+            raise TargetError(f"TARGET {f}: not a readable safetensors file ({e})") from None
+        if 8 + n + end > size:
+            raise TargetError(f"TARGET {f}: truncated: its header needs {8 + n + end:,} bytes, the file has "
+                              f"{size:,} (an interrupted download or copy?)")
+
+
 def weights_fingerprint(path: str | Path) -> str:
     """sha256 over each safetensors file's header (names, dtypes, shapes, offsets), its size, and
     its first and last MiB of tensor bytes: cheap on 50 GB of weights, and changes when weights do
@@ -138,6 +159,18 @@ def _tensor_index(path: Path) -> dict[str, Path]:
             if k != "__metadata__":
                 out[k] = f
     return out
+
+
+def tensors_fingerprint(embed: torch.Tensor, head: torch.Tensor) -> str:
+    """sha256 over every byte of the tensors training uses from the target (embed_tokens and
+    lm_head, as stored): small next to the features, and the one thing a drafter must share
+    with the store's target. Same-shape checkpoints (a retrain, a fine-tune) differ here."""
+    h = hashlib.sha256()
+    for t in (embed, head):
+        t = t.detach().cpu().contiguous()
+        h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+        h.update(t.view(torch.uint8).numpy().data)
+    return "sha256:" + h.hexdigest()
 
 
 def load_embed_and_head(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,8 +8,10 @@ import torch
 from train.mask import dense_mask, eligible_positions, make_mask_mod, sample_anchors
 
 
-def loop_mask(anchors, valid, doc, block, window=None):
-    """The rules of DESIGN.md section 4.3, one (query, key) pair at a time."""
+def loop_mask(anchors, valid, doc, block, window=None, causal=False):
+    """The rules of docs/DESIGN.md ("The mask"), one (query, key) pair at a time: slot k of the
+    block anchored at a sees context positions < a of its document and its own block's slots
+    (only slots <= k when causal); with a window W, only positions >= a + k - (W - 1)."""
     B, A = anchors.shape
     S = doc.shape[1]
     Q, KV = A * block, S + A * block
@@ -21,11 +23,14 @@ def loop_mask(anchors, valid, doc, block, window=None):
                 q = j * block + k
                 for kv in range(KV):
                     if kv < S:
+                        pos = kv
                         ok = bool(valid[b, j]) and kv < a and int(doc[b, kv]) == int(doc[b, a])
-                        if window is not None:
-                            ok = ok and kv >= a + k - (window - 1)
                     else:
-                        ok = (kv - S) // block == j
+                        jj, kk = divmod(kv - S, block)
+                        pos = a + kk
+                        ok = jj == j and (kk <= k or not causal)
+                    if window is not None and pos < a + k - (window - 1):
+                        ok = False
                     m[b, 0, q, kv] = ok
     return m
 
@@ -40,14 +45,24 @@ def case():
     return anchors, valid, doc
 
 
-@pytest.mark.parametrize("window", [None, 3])
-def test_dense_mask_equals_plain_loop(window):
+@pytest.mark.parametrize("window,causal", [(None, False), (3, True), (None, True), (6, True)])
+def test_dense_mask_equals_plain_loop(window, causal):
     anchors, valid, doc = case()
     block = 4
-    mod = make_mask_mod(anchors, valid, doc, block, window)
+    mod = make_mask_mod(anchors, valid, doc, block, window, causal)
     got = dense_mask(mod, 2, anchors.shape[1] * block, doc.shape[1] + anchors.shape[1] * block)
-    want = loop_mask(anchors, valid, doc, block, window)
+    want = loop_mask(anchors, valid, doc, block, window, causal)
     assert torch.equal(got, want)
+    S = doc.shape[1]
+    if causal:  # slot 1 of block 0 sees slots 0 and 1 of its block, not 2
+        assert got[0, 0, 1, S] and got[0, 0, 1, S + 1] and not got[0, 0, 1, S + 2]
+    else:
+        assert got[0, 0, 1, S + 3]
+    if window == 3:  # anchor 10, slot 3: positions >= 10 + 3 - 2 = 11, i.e. block slots 1.. only
+        assert not got[0, 0, 2 * block + 3, 9] and not got[0, 0, 2 * block + 3, S + 2 * block]
+        assert got[0, 0, 2 * block + 3, S + 2 * block + 1]
+    if window is not None or causal:
+        return
     # Spot checks of the rules, so a wrong loop cannot agree with a wrong mask by accident.
     S = doc.shape[1]
     assert not got[0, 0, 0, 3]            # anchor 3 does not see its own position
@@ -59,9 +74,10 @@ def test_dense_mask_equals_plain_loop(window):
     assert got[0, 0, 3 * block, S + 3 * block] and not got[0, 0, 3 * block, 0]  # padded anchor: own block only
 
 
-def test_every_row_sees_something():
+@pytest.mark.parametrize("window,causal", [(None, False), (2, True)])
+def test_every_row_sees_something(window, causal):
     anchors, valid, doc = case()
-    got = dense_mask(make_mask_mod(anchors, valid, doc, 4), 2, 16, 20 + 16)
+    got = dense_mask(make_mask_mod(anchors, valid, doc, 4, window, causal), 2, 16, 20 + 16)
     assert got.any(-1).all()
 
 
@@ -79,7 +95,7 @@ def test_anchor_sampling_only_eligible_and_sorted():
 
 def test_flex_forward_equals_sdpa_with_dense_mask():
     """flex_attention has no backward on CPU; its forward is checked here, both directions on GPU
-    (bench/train_step.py)."""
+    (bench/train_bench.py --sections check)."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
     import torch.nn.functional as F
     torch.manual_seed(0)
@@ -89,8 +105,8 @@ def test_flex_forward_equals_sdpa_with_dense_mask():
     q = torch.randn(B, 4, Q, 16)
     k = torch.randn(B, 2, KV, 16)
     v = torch.randn(B, 2, KV, 16)
-    for window in (None, 3):
-        mod = make_mask_mod(anchors, valid, doc, block, window)
+    for window, causal in ((None, False), (3, True), (None, True)):
+        mod = make_mask_mod(anchors, valid, doc, block, window, causal)
         bm = create_block_mask(mod, B, None, Q, KV, device="cpu")
         got = flex_attention(q, k, v, block_mask=bm, enable_gqa=True)
         want = F.scaled_dot_product_attention(q, k, v, attn_mask=dense_mask(mod, B, Q, KV), enable_gqa=True)

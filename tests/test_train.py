@@ -51,6 +51,10 @@ def params(out: Path) -> dict:
     return ck["model"]
 
 
+def history(out: Path) -> list[dict]:
+    return [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+
+
 def test_short_run_lowers_loss(store, draft, tmp_path):
     from train.loop import train
     res = train(tcfg(store, draft, tmp_path / "run", max_steps=40, lr=5e-3))
@@ -63,43 +67,85 @@ def test_short_run_lowers_loss(store, draft, tmp_path):
     assert {"loss", "acc", "tau", "tok_s", "peak_mem_gib", "lr"} <= rec.keys() and len(rec["acc"]) == 3
 
 
-def test_resume_equals_uninterrupted(store, draft, tmp_path):
+def uneven_seed(store, seq_len: int) -> tuple[int, list[int]]:
+    """A seed whose epoch 1 packs into fewer rows than epoch 0 (what crashed the loop), and its
+    rows per epoch."""
+    from shared.store import Store
+    from train.loader import EpochPlan
+    s = Store(store)
+    for seed in range(100):
+        plan = EpochPlan(s, seq_len, seed, 0, 1)
+        counts = [len(plan.rows(e)) for e in range(3)]
+        if counts[1] < counts[0] and counts[0] % 2 == 1:
+            return seed, counts
+    raise AssertionError("no such seed")
+
+
+def test_epochs_of_different_lengths_run_to_the_end(store, draft, tmp_path):
+    """Greedy packing of each epoch's shuffle gives another row count; the schedule follows
+    every epoch's own count, and its total is known before step 1."""
     from train.loop import train
-    full = train(tcfg(store, draft, tmp_path / "a", max_steps=8, save_every=2))
-    train(tcfg(store, draft, tmp_path / "b", max_steps=8, save_every=2, stop_after=3))  # "killed" after step 3
-    # step 3's work is lost with the process; the run resumes from the last checkpoint
-    assert (tmp_path / "b" / "checkpoints" / "latest").read_text() == "step-00000002.pt"
-    resumed = train(tcfg(store, draft, tmp_path / "b", max_steps=8, save_every=2, resume=True))
-    assert resumed["step"] == full["step"] == 8
+    seed, counts = uneven_seed(store, 512)
+    res = train(tcfg(store, draft, tmp_path / "run", seq_len=512, epochs=3, seed=seed, log_every=1))
+    assert res["step"] == sum(counts)
+    epochs = [h["epoch"] for h in res["history"]]
+    assert [epochs.count(e) for e in range(3)] == counts
+    assert res["history"][-1]["lr"] == pytest.approx(0.0, abs=1e-12)  # the cosine ended on the last step
+
+
+def test_resume_equals_uninterrupted(store, draft, tmp_path):
+    """Killed mid-epoch 1 (after the epoch boundary), resumed from the last checkpoint."""
+    from train.loop import train
+    seed, counts = uneven_seed(store, 512)
+    kw = dict(seq_len=512, epochs=2, seed=seed, save_every=4)
+    full = train(tcfg(store, draft, tmp_path / "a", **kw))
+    stop = counts[0] + 5
+    train(tcfg(store, draft, tmp_path / "b", stop_after=stop, **kw))  # "killed" after that step
+    # the steps after the last checkpoint are lost with the process; the run resumes from it
+    last_ck = stop // 4 * 4
+    assert (tmp_path / "b" / "checkpoints" / "latest").read_text() == f"step-{last_ck:08d}.pt"
+    resumed = train(tcfg(store, draft, tmp_path / "b", resume=True, **kw))
+    assert resumed["step"] == full["step"] == sum(counts[:2])
     pa, pb = params(tmp_path / "a"), params(tmp_path / "b")
     for k in pa:
         assert torch.equal(pa[k], pb[k]), k
     assert [h["loss"] for h in full["history"]] == [h["loss"] for h in resumed["history"]]
     logged = [json.loads(l)["step"] for l in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
-    assert logged == [2, 4, 6, 8]
+    assert logged == [h["step"] for h in full["history"]]
 
 
 def test_two_ranks_equal_one_rank_with_accumulation(store, draft, tmp_path):
     """DDP on 2 CPU processes (gloo, torchrun) = 1 process with 2-step accumulation: the loss is
-    normalised over the global batch and the ranks' shares interleave."""
+    normalised over the global batch and the ranks' shares interleave. Two whole epochs of
+    different, odd row counts: the schedule and the shares agree on every epoch's length."""
     from train.loop import train
-    train(tcfg(store, draft, tmp_path / "one", max_steps=4, grad_accum=2))
+    seed, counts = uneven_seed(store, 512)
+    one = train(tcfg(store, draft, tmp_path / "one", seq_len=512, epochs=2, seed=seed, grad_accum=2))
+    assert one["step"] == counts[0] // 2 + counts[1] // 2
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "train",
-           "--store", str(store), "--out", str(tmp_path / "two"), "--draft", str(draft), "--seq-len", "256",
-           "--max-anchors", "16", "--epochs", "1", "--lr", "3e-3", "--max-steps", "4", "--workers", "0",
-           "--loss-chunk", "64", "--no-progress"]
+           "--store", str(store), "--out", str(tmp_path / "two"), "--draft", str(draft), "--seq-len", "512",
+           "--max-anchors", "16", "--epochs", "2", "--lr", "3e-3", "--seed", str(seed), "--workers", "0",
+           "--loss-chunk", "64", "--log-every", "2", "--no-progress"]
     res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     p1, p2 = params(tmp_path / "one"), params(tmp_path / "two")
+    # Adam divides by sqrt(v): on an element whose gradient is ~0, float summation-order noise
+    # between gloo's all-reduce and local accumulation moves the update by a visible fraction of
+    # lr. So parameters are compared at 1% of one step's size (lr 3e-3), and what the global-batch
+    # normalisation decides (the pre-clip gradient norm, the loss) tightly.
     for k in p1:
-        torch.testing.assert_close(p1[k], p2[k], rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(p1[k], p2[k], rtol=1e-3, atol=3e-5)
+    h1, h2 = history(tmp_path / "one")[-1], history(tmp_path / "two")[-1]
+    assert h1["step"] == h2["step"] == one["step"]
+    assert abs(h1["grad_norm"] - h2["grad_norm"]) <= 1e-5 * h1["grad_norm"], (h1["grad_norm"], h2["grad_norm"])
+    assert abs(h1["loss"] - h2["loss"]) <= 1e-5 * h1["loss"]
 
 
 def test_export_reload_gives_identical_logits(store, draft, tmp_path):
     from shared.store import Store
     from train.export import load_drafter
-    from train.loader import EpochPlan, RowDataset
+    from train.loader import EpochPlan, RowDataset, RowSpec
     from train.loop import train
     from train.model import DFlashDrafter
     from train.step import forward_loss
@@ -124,7 +170,7 @@ def test_export_reload_gives_identical_logits(store, draft, tmp_path):
         assert torch.equal(v, got.state_dict()[k]), k
     s = Store(store)
     rows = EpochPlan(s, 256, 0, 0, 1).rows(0)
-    batch = {k: v[None] for k, v in RowDataset(str(store), rows, [0, 3], 256, 16, 0, 0, False)[0].items()}
+    batch = {k: v[None] for k, v in RowDataset(str(store), rows, RowSpec((0, 3), 256, 16, 0), 0)[0].items()}
     embed, head = load_embed_and_head(s.manifest["target"]["path"])
     with torch.no_grad():
         a = forward_loss(ref, embed, head, batch, labels="data", gamma=7, loss_chunk=64)
@@ -134,10 +180,10 @@ def test_export_reload_gives_identical_logits(store, draft, tmp_path):
 
 def test_loader_reads_the_layer_subset(store, tmp_path):
     from shared.store import Store
-    from train.loader import EpochPlan, RowDataset
+    from train.loader import EpochPlan, RowDataset, RowSpec
     s = Store(store)
     rows = EpochPlan(s, 256, 0, 0, 1).rows(0)
-    item = RowDataset(str(store), rows, [0, 3], 256, 16, 0, 0, False)[0]
+    item = RowDataset(str(store), rows, RowSpec((0, 3), 256, 16, 0), 0)[0]
     first = rows[0][1][0]
     x = s.read(first)
     n = len(x.input_ids)
@@ -186,23 +232,25 @@ def test_refusals_before_any_work(store, draft, tiny, tmp_path):
     assert not any((tmp_path / f"o{i}").exists() for i in range(1, 6))
 
 
-def test_cli_refuses_missing_gpus(store, draft, tmp_path, capsys):
+def test_cli_refuses_missing_gpus(store, draft, tmp_path, capsys, monkeypatch):
     from train.__main__ import main
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # a one-GPU host, whatever this one has
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     assert main(["--store", str(store), "--out", str(tmp_path / "o"), "--gpus", "0,1"]) == 2
-    assert "does not exist" in capsys.readouterr().err
+    assert "GPU [1] does not exist (this machine has 1 GPU: 0..0)" in capsys.readouterr().err
 
 
 def test_fp8_store_decodes_on_the_device_to_the_readers_bf16(tiny, draft, tmp_path):
     """fp8 rows travel as e4m3 bits + scales; the step's decode equals Store.read's bf16."""
     from shared.store import Store
-    from train.loader import EpochPlan, RowDataset
+    from train.loader import EpochPlan, RowDataset, RowSpec
     from train.loop import train
     from train.step import context_features
     path = tmp_path / "fp8"
     extract_run(extract_cfg(tiny, path, precision="fp8"))
     s = Store(path)
     rows = EpochPlan(s, 256, 0, 0, 1).rows(0)
-    item = RowDataset(str(path), rows, [0, 3], 256, 16, 0, 0, False)[0]
+    item = RowDataset(str(path), rows, RowSpec((0, 3), 256, 16, 0), 0)[0]
     assert item["hidden"].dtype == torch.uint8 and item["hidden_scale"].shape == (256, 2)
     feats = context_features({k: v[None] for k, v in item.items()})[0]
     x = s.read(rows[0][1][0], [0, 3])

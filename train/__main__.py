@@ -8,44 +8,19 @@ without GPUs it runs one CPU process (gloo). `--resume` continues the run in --o
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
-from dataclasses import fields
 
-from shared.config import parse_gpus
+from shared.cli import from_args, parser_for
 from shared.store import StoreError
 from shared.target import TargetError
+from train.checkpoint import TrainingError
 from train.config import ConfigError, TrainConfig
 
 
 def parse_args(argv=None) -> TrainConfig:
-    d = TrainConfig(store="", out="")
-    ap = argparse.ArgumentParser(prog="python -m train", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--store", required=True)
-    ap.add_argument("--out", required=True, help="run folder: checkpoints, metrics.jsonl, export/")
-    ap.add_argument("--gpus", default="", help="e.g. 0,1,2,3; empty: CPU")
-    ap.add_argument("--draft", default=None, help="drafter config.json (public DFlash format); default: "
-                                                  "derived from the store's target")
-    ap.add_argument("--target", default=None, help="where embed_tokens/lm_head are read (default: the "
-                                                   "manifest's target path)")
-    simple = {f.name: f for f in fields(TrainConfig)
-              if f.name not in ("store", "out", "gpus", "draft", "target", "resume", "progress", "online")}
-    for name, f in simple.items():
-        default = getattr(d, name)
-        typ = {"int": int, "float": float, "str": str}.get(str(f.type).split(" ")[0], None)
-        if typ is None:
-            typ = int if "int" in str(f.type) else str
-        ap.add_argument("--" + name.replace("_", "-"), type=typ, default=default)
-    ap.add_argument("--resume", action="store_true")
-    ap.add_argument("--online", action="store_true", help="baseline: target forward in every step (needs the "
-                                                          "whole target; features from the store are ignored)")
-    ap.add_argument("--no-progress", action="store_true")
-    a = ap.parse_args(argv)
-    kw = {name: getattr(a, name) for name in simple}
-    return TrainConfig(store=a.store, out=a.out, gpus=parse_gpus(a.gpus), draft=a.draft, target=a.target,
-                       resume=a.resume, progress=not a.no_progress, online=a.online, **kw)
+    ap = parser_for(TrainConfig, "python -m train", __doc__)
+    return from_args(TrainConfig, ap.parse_args(argv))
 
 
 def _replace_gpus(argv: list[str], value: str) -> list[str]:
@@ -66,7 +41,10 @@ def _replace_gpus(argv: list[str], value: str) -> list[str]:
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
-        cfg = parse_args(argv).validate()
+        try:
+            cfg = parse_args(argv).validate()
+        except SystemExit as e:  # argparse has printed why
+            return int(e.code or 0)
         if len(cfg.gpus) > 1 and "WORLD_SIZE" not in os.environ:
             # One process per GPU under torchrun. CUDA_VISIBLE_DEVICES renumbers the chosen GPUs
             # 0..n-1, so each process uses GPU LOCAL_RANK and the children get --gpus 0..n-1.
@@ -83,6 +61,9 @@ def main(argv=None) -> int:
             print(f"step {result['step']}  loss {last['loss']:.4f}  tau {last['tau']:.3f}  "
                   f"acc {last['acc'][:4]}  -> {result['out']}/export")
         return 0
+    except TrainingError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except (ValueError, ConfigError, StoreError, TargetError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

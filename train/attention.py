@@ -30,14 +30,14 @@ def attend(q, k, v, mask, backend: str):
     return fn(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
-def build_masks(batch: dict, block: int, window: int | None, need_sliding: bool, backend: str, device) -> dict:
-    """{"full": mask, "sliding": mask or None} for one batch."""
+def build_masks(batch: dict, block: int, kinds: set[tuple[bool, int | None]], backend: str, device) -> dict:
+    """{(causal, window): mask} for every layer kind the drafter has, for one batch."""
     anchors, valid, doc = batch["anchors"], batch["anchor_valid"], batch["doc"]
     B, A = anchors.shape
     Q, KV = A * block, doc.shape[1] + A * block
 
-    def mask(w):
-        mod = make_mask_mod(anchors, valid, doc, block, w)
+    def mask(causal, window):
+        mod = make_mask_mod(anchors, valid, doc, block, window, causal)
         return dense_mask(mod, B, Q, KV, device) if backend == "sdpa" else block_mask(mod, B, Q, KV, device)
 
-    return {"full": mask(None), "sliding": mask(window) if need_sliding else None}
+    return {kind: mask(*kind) for kind in sorted(kinds, key=str)}

@@ -11,14 +11,23 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
+from typing import Literal
 
+from shared.cli import opt
+from shared.config import parse_gpus
 from shared.target import default_layer_ids
+from train.dflash import layer_mask
 
 # Qwen3 config fields that carry no meaning for the drafter's math but appear in public configs.
 PASSTHROUGH = {"architectures", "model_type", "torch_dtype", "dtype", "transformers_version",
                "bos_token_id", "eos_token_id", "pad_token_id", "use_cache", "attention_dropout",
                "max_window_layers", "use_sliding_window", "tie_word_embeddings", "hidden_act",
-               "auto_map", "rope_scaling", "rope_parameters", "max_position_embeddings"}
+               "auto_map"}
+DFLASH_KEYS = {"target_layer_ids", "mask_token_id", "block_size", "causal", "is_causal"}
+# Written by us or read by the engines; never `eagle_aux_hidden_state_layer_ids` (vLLM takes
+# it unshifted, as HF hidden_states indices: one layer off from target_layer_ids).
+REFUSED = {"eagle_aux_hidden_state_layer_ids": "vLLM reads it as HF hidden_states indices, one off from "
+                                               "dflash_config.target_layer_ids; give target_layer_ids only"}
 
 
 class ConfigError(ValueError):
@@ -42,6 +51,8 @@ class DrafterConfig:
     rope_theta: float = 1e6
     layer_types: list[str] = field(default_factory=list)
     sliding_window: int | None = None
+    causal: bool | None = None          # dflash_config.causal: None = the engines' per-layer default
+    max_position_embeddings: int = 32768
     attention_bias: bool = False
     initializer_range: float = 0.02
 
@@ -54,43 +65,82 @@ class DrafterConfig:
         bad = [t for t in self.layer_types if t not in ("full_attention", "sliding_attention")]
         if bad:
             raise ConfigError(f"layer_types: unknown {bad}")
-        if "sliding_attention" in self.layer_types and not self.sliding_window:
+        sliding = "sliding_attention" in self.layer_types
+        if sliding and not self.sliding_window:
             raise ConfigError("sliding_attention layers need sliding_window")
+        if sliding and self.causal is False:
+            raise ConfigError("dflash_config.causal = false with sliding_attention layers (a bidirectional block "
+                              "under a sliding window) is not implemented: no engine's semantics for it are "
+                              "pinned down. Drop `causal`, or use full_attention layers")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError("num_attention_heads must be a multiple of num_key_value_heads")
         if self.block_size < 2:
             raise ConfigError("block_size must be at least 2")
 
+    # -- attention per layer, as the engines resolve it --------------------------------------
+    def layer_mask(self, i: int) -> tuple[bool, int | None]:
+        """(causal, window) of layer i, resolved as the engines resolve it (train/dflash.py)."""
+        return layer_mask(self, i)
+
+    def mask_kinds(self) -> set[tuple[bool, int | None]]:
+        return {self.layer_mask(i) for i in range(self.num_hidden_layers)}
+
     # -- public config.json ----------------------------------------------------------------
     def to_hf(self) -> dict:
-        d = {k: v for k, v in asdict(self).items() if k not in ("target_layer_ids", "mask_token_id")}
+        inner = {"target_layer_ids": list(self.target_layer_ids), "mask_token_id": self.mask_token_id,
+                 "block_size": self.block_size}
+        if self.causal is not None:
+            inner["causal"] = self.causal
+        d = {k: v for k, v in asdict(self).items()
+             if k not in ("target_layer_ids", "mask_token_id", "causal", "rope_theta")}
         return {
             "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_act": "silu",
-            "tie_word_embeddings": False, "max_position_embeddings": 32768, "torch_dtype": "bfloat16",
+            "tie_word_embeddings": False, "torch_dtype": "bfloat16",
             "use_sliding_window": "sliding_attention" in self.layer_types,
             **d,
-            "dflash_config": {"target_layer_ids": list(self.target_layer_ids),
-                              "mask_token_id": self.mask_token_id, "block_size": self.block_size},
+            # both spellings: transformers 5 reads rope_parameters, older loaders rope_theta
+            "rope_theta": self.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+            "dflash_config": inner,
+            # loads with AutoModel.from_pretrained(dir, trust_remote_code=True): train/export.py
+            "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
         }
 
     @classmethod
     def from_hf(cls, d: dict, where: str = "config") -> "DrafterConfig":
         d = dict(d)
         dflash = d.pop("dflash_config", {}) or {}
-        unknown_inner = set(dflash) - {"target_layer_ids", "mask_token_id", "block_size"}
+        unknown_inner = set(dflash) - DFLASH_KEYS
         if unknown_inner:
             raise ConfigError(f"{where}: unknown field(s) dflash_config.{sorted(unknown_inner)}")
-        known = {f.name for f in fields(cls)}
-        unknown = set(d) - known - PASSTHROUGH
+        for key, why in REFUSED.items():
+            if key in d or key in dflash:
+                raise ConfigError(f"{where}: field {key!r} is refused: {why}")
+        rope = cls._rope_theta(d, where)
+        target_hidden = d.pop("target_hidden_size", None)
+        if target_hidden is not None and target_hidden != d.get("hidden_size"):
+            raise ConfigError(f"{where}: target_hidden_size {target_hidden} != hidden_size {d.get('hidden_size')}: "
+                              f"the drafter uses the target's embed_tokens and lm_head, so both must be equal")
+        known = {f.name for f in fields(cls)} - {"causal"}
+        unknown = set(d) - known - PASSTHROUGH - {"rope_scaling", "rope_parameters", "is_causal"}
         if unknown:
             raise ConfigError(f"{where}: unknown field(s) {sorted(unknown)}; known: {sorted(known)}")
         kw = {k: v for k, v in d.items() if k in known}
-        if "rope_theta" not in kw and isinstance(d.get("rope_parameters"), dict):
-            kw["rope_theta"] = d["rope_parameters"].get("rope_theta", 1e6)
+        if rope is not None:
+            kw["rope_theta"] = rope
         kw["target_layer_ids"] = dflash.get("target_layer_ids", d.get("target_layer_ids"))
         kw["mask_token_id"] = dflash.get("mask_token_id", d.get("mask_token_id"))
         if "block_size" in dflash:
+            if "block_size" in d and d["block_size"] != dflash["block_size"]:
+                raise ConfigError(f"{where}: block_size {d['block_size']} and dflash_config.block_size "
+                                  f"{dflash['block_size']} differ")
             kw["block_size"] = dflash["block_size"]
+        # vLLM's precedence: top-level is_causal, then dflash_config.is_causal, then dflash_config.causal
+        for src in (d.get("is_causal"), dflash.get("is_causal"), dflash.get("causal")):
+            if src is not None:
+                if not isinstance(src, bool):
+                    raise ConfigError(f"{where}: causal must be true or false, not {src!r}")
+                kw["causal"] = src
+                break
         if kw.get("head_dim") is None and "hidden_size" in kw and "num_attention_heads" in kw:
             kw["head_dim"] = kw["hidden_size"] // kw["num_attention_heads"]
         required = ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
@@ -100,6 +150,30 @@ class DrafterConfig:
         if missing:
             raise ConfigError(f"{where}: missing field(s) {missing}")
         return cls(**kw)
+
+    @staticmethod
+    def _rope_theta(d: dict, where: str) -> float | None:
+        """rope_theta from rope_theta / rope_parameters / rope_scaling. Only plain RoPE is
+        implemented: any scaling (yarn, linear, dynamic, ...) is refused, never dropped."""
+        theta = d.pop("rope_theta", None)
+        for key in ("rope_parameters", "rope_scaling"):
+            p = d.pop(key, None)
+            if p is None:
+                continue
+            if not isinstance(p, dict):
+                raise ConfigError(f"{where}: {key} must be an object, not {p!r}")
+            kind = p.get("rope_type", p.get("type", "default"))
+            if kind != "default":
+                raise ConfigError(f"{where}: {key}.rope_type {kind!r} is not implemented (only plain RoPE, "
+                                  f"'default'); training with it ignored would not match serving")
+            extra = set(p) - {"rope_type", "type", "rope_theta"}
+            if extra:
+                raise ConfigError(f"{where}: {key} fields {sorted(extra)} are not implemented")
+            if "rope_theta" in p:
+                if theta is not None and float(p["rope_theta"]) != float(theta):
+                    raise ConfigError(f"{where}: rope_theta {theta} and {key}.rope_theta {p['rope_theta']} differ")
+                theta = p["rope_theta"]
+        return None if theta is None else float(theta)
 
     @classmethod
     def load(cls, path: str | Path) -> "DrafterConfig":
@@ -130,54 +204,57 @@ class DrafterConfig:
                    num_target_layers=t["num_hidden_layers"],
                    target_layer_ids=default_layer_ids(t["num_hidden_layers"], num_layers),
                    mask_token_id=int(mask), block_size=block_size,
-                   rms_norm_eps=tc.get("rms_norm_eps", 1e-6))
+                   rms_norm_eps=tc.get("rms_norm_eps", 1e-6),
+                   max_position_embeddings=int(tc.get("max_position_embeddings") or 32768))
 
 
 @dataclass
 class TrainConfig:
-    store: str
-    out: str
-    target: str | None = None          # where embed_tokens/lm_head come from (default: manifest path)
-    draft: str | None = None           # drafter config.json (default: derived from the store)
-    draft_layers: int = 5
-    block_size: int = 16
-    gpus: list[int] = field(default_factory=list)
-    seq_len: int = 4096                # packed row length (one static shape)
-    max_anchors: int = 512
-    micro_batch: int = 1
-    grad_accum: int = 1
-    epochs: int = 6
-    max_steps: int | None = None       # total steps (the schedule's length); default: epochs
-    stop_after: int | None = None      # stop after this step, schedule unchanged (resume tests, time limits)
-    lr: float = 6e-4
-    min_lr_ratio: float = 0.0
-    warmup_ratio: float = 0.04
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    gamma: float = 7.0
-    labels: str = "data"               # "data" | "argmax" | "distill"
-    compile: str = "attention"         # "attention" | "full" | "none"
-    attention: str = "auto"            # "auto" | "flex" | "sdpa"
-    dtype: str = "auto"                # autocast: bf16 on GPU, fp32 on CPU
-    seed: int = 0
-    workers: int = 4                   # DataLoader processes per rank
-    prefetch: int = 4
-    log_every: int = 10
-    save_every: int = 200
-    eval_every: int = 0
-    eval_samples: int = 0              # held out from training for the offline tau estimate
-    loss_chunk: int = 4096             # rows per LM-head chunk in the loss
-    online: bool = False               # baseline: run the target in the step instead of reading features
-    resume: bool = False
-    progress: bool = True
+    store: str = opt(help="the feature store (a path)")
+    out: str = opt(help="run folder: checkpoints, metrics.jsonl, tb/, export/, best/")
+    target: str | None = opt(None, "where embed_tokens/lm_head are read (default: the manifest's target path)")
+    draft: str | None = opt(None, "drafter config.json in the public DFlash format (default: derived from the store)")
+    draft_layers: int = opt(5, "draft layers of the derived default drafter")
+    block_size: int = opt(16, "block size of the derived default drafter")
+    gpus: list[int] = opt(help="e.g. 0,1,2,3; empty: CPU", parse=parse_gpus, default_factory=list)
+    seq_len: int = opt(4096, "packed row length (one static shape)")
+    max_anchors: int = opt(512, "anchors per row")
+    micro_batch: int = opt(1, "rows per forward")
+    grad_accum: int = opt(1, "forwards per optimizer step")
+    epochs: int = opt(6, "epochs (each epoch's step count comes from its own packing)")
+    max_steps: int | None = opt(None, "total steps, the schedule's length (default: the epochs' steps)")
+    stop_after: int | None = opt(None, "stop after this step, schedule unchanged (time limits, resume tests)")
+    lr: float = opt(6e-4, "peak learning rate (AdamW)")
+    min_lr_ratio: float = opt(0.0, "cosine floor, as a fraction of --lr")
+    warmup_ratio: float = opt(0.04, "linear warmup, as a fraction of the steps")
+    weight_decay: float = opt(0.0, "AdamW weight decay")
+    grad_clip: float = opt(1.0, "gradient norm clip")
+    gamma: float = opt(7.0, "loss decay over block slots: weight exp(-(k-1)/gamma)")
+    labels: Literal["data", "argmax", "distill"] = opt(
+        "data", "data: dataset tokens; argmax: the target's own choice; distill: its top-k distribution + tail")
+    compile: Literal["attention", "full", "none"] = opt(
+        "attention", "torch.compile the flex_attention call only, the whole drafter, or nothing")
+    attention: Literal["auto", "flex", "sdpa"] = opt("auto", "flex (GPU) or SDPA with the dense mask (CPU)")
+    dtype: Literal["auto", "bf16", "fp32"] = opt("auto", "autocast dtype: auto = bf16 on GPU, fp32 on CPU")
+    seed: int = opt(0, "seed of the init, the shuffles and the anchors")
+    workers: int = opt(4, "DataLoader processes per rank")
+    prefetch: int = opt(4, "batches prefetched per loader worker")
+    log_every: int = opt(10, "steps per metrics record")
+    save_every: int = opt(200, "steps per checkpoint")
+    eval_every: int = opt(0, "steps per held-out offline tau estimate")
+    eval_samples: int = opt(0, "the store's last N samples, held out for the offline tau")
+    loss_chunk: int = opt(4096, "rows per LM-head chunk in the loss")
+    online: bool = opt(False, "baseline: run the target in every step instead of reading features")
+    skip_nonfinite: bool = opt(False, "skip a step whose gradient is not finite (counted) instead of stopping")
+    allow_other_target: bool = opt(False, "train although --target's embed_tokens/lm_head differ from the store's target")
+    resume: bool = opt(False, "continue the run in --out exactly")
+    progress: bool = opt(True, "tqdm progress bar")
 
     def validate(self):
-        if self.labels not in ("data", "argmax", "distill"):
-            raise ConfigError(f"--labels must be data, argmax or distill, not {self.labels!r}")
-        if self.compile not in ("attention", "full", "none"):
-            raise ConfigError(f"--compile must be attention, full or none, not {self.compile!r}")
-        if self.attention not in ("auto", "flex", "sdpa"):
-            raise ConfigError("--attention must be auto, flex or sdpa")
         if self.micro_batch < 1 or self.grad_accum < 1 or self.max_anchors < 1:
             raise ConfigError("--micro-batch, --grad-accum and --max-anchors must be positive")
+        for name, allowed in (("labels", ("data", "argmax", "distill")), ("compile", ("attention", "full", "none")),
+                              ("attention", ("auto", "flex", "sdpa")), ("dtype", ("auto", "bf16", "fp32"))):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"--{name} must be one of {', '.join(allowed)}, not {getattr(self, name)!r}")
         return self

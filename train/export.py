@@ -1,9 +1,11 @@
 """Export to the public DFlash layout, and load it back.
 
 config.json: a Qwen3 config plus `block_size`, `num_target_layers`, `dflash_config:
-{target_layer_ids, mask_token_id, block_size}`, `architectures: ["DFlashDraftModel"]`.
-model.safetensors: `layers.{i}.self_attn.{q,k,v,o}_proj.weight`, ..., `fc.weight`,
-`hidden_norm.weight`, `norm.weight` (DESIGN.md section 3), in bf16.
+{target_layer_ids, mask_token_id, block_size[, causal]}`, `layer_types`, `sliding_window`,
+`architectures: ["DFlashDraftModel"]` and `auto_map` -> dflash.py (train/dflash.py, copied:
+`AutoModel.from_pretrained(dir, trust_remote_code=True)` loads it). model.safetensors:
+`layers.{i}.self_attn.{q,k,v,o}_proj.weight`, ..., `fc.weight`, `hidden_norm.weight`,
+`norm.weight` (docs/DESIGN.md, "The drafter"), in bf16. Non-finite weights are never exported.
 
     python -m train.export RUN_DIR/checkpoints/step-00000100.pt OUT_DIR
 """
@@ -19,17 +21,22 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from train.checkpoint import assert_finite
 from train.config import DrafterConfig
 from train.model import DFlashDrafter
+
+MODELING_FILE = Path(__file__).with_name("dflash.py")
 
 
 def export(model: DFlashDrafter, out: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
     out = Path(out)
+    state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in model.state_dict().items()}
+    assert_finite(state, f"export {out}")  # also after the cast: bf16 overflows to inf
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     (tmp / "config.json").write_text(json.dumps(model.cfg.to_hf(), indent=2))
-    state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in model.state_dict().items()}
+    shutil.copyfile(MODELING_FILE, tmp / "dflash.py")
     save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)

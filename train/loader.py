@@ -10,11 +10,13 @@ number of loader workers.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from shared.store import Store
+from shared.store import Store, StoreError
 from train.mask import sample_anchors
 
 
@@ -56,12 +58,52 @@ class EpochPlan:
         return list(enumerate(rows))[:per_rank * self.world][self.rank::self.world]
 
 
+class StepSchedule:
+    """Steps per epoch, for epochs of any length. Greedy packing of a fresh shuffle gives a
+    slightly different row count every epoch, so each epoch's step count is computed from its own
+    packing (the same on every rank) and the schedule's total is known before step 1."""
+
+    def __init__(self, plan: EpochPlan, rows_per_step: int):
+        self.plan, self.rows_per_step = plan, rows_per_step
+        self._steps: dict[int, int] = {}
+
+    def steps(self, epoch: int) -> int:
+        if epoch not in self._steps:
+            self._steps[epoch] = len(self.plan.rows(epoch)) // self.rows_per_step
+        return self._steps[epoch]
+
+    def total(self, epochs: int) -> int:
+        return sum(self.steps(e) for e in range(epochs))
+
+    def locate(self, step: int) -> tuple[int, int]:
+        """(epoch, step within that epoch) of global step `step` (0-based)."""
+        epoch = 0
+        while step >= self.steps(epoch):
+            if self.steps(epoch) == 0:
+                raise ValueError(f"epoch {epoch} has fewer rows than one step needs ({self.rows_per_step})")
+            step -= self.steps(epoch)
+            epoch += 1
+        return epoch, step
+
+
+@dataclass(frozen=True)
+class RowSpec:
+    """What one packed row holds: the same for every row of a run."""
+    layer_ids: tuple[int, ...]
+    seq_len: int
+    max_anchors: int
+    seed: int
+    distill: bool = False
+
+
 class RowDataset(Dataset):
-    def __init__(self, store_path: str, rows: list[tuple[int, list[int]]], layer_ids: list[int], seq_len: int,
-                 max_anchors: int, seed: int, epoch: int, distill: bool, first_row: int = 0):
-        self.store_path, self.rows, self.layer_ids = store_path, rows, layer_ids
-        self.seq_len, self.max_anchors, self.seed, self.epoch = seq_len, max_anchors, seed, epoch
-        self.distill, self.first_row = distill, first_row
+    """Rows `rows[first_row:]` of one epoch. `epoch=None` is the held-out set: its anchors are
+    drawn from their own stream, fixed for the whole run."""
+
+    def __init__(self, store_path: str, rows: list[tuple[int, list[int]]], spec: RowSpec,
+                 epoch: int | None, first_row: int = 0):
+        self.store_path, self.rows, self.spec = store_path, rows, spec
+        self.epoch, self.first_row = epoch, first_row
         self._store = None
 
     def __len__(self):
@@ -73,11 +115,20 @@ class RowDataset(Dataset):
             self._store = Store(self.store_path)
         return self._store
 
+    def _read(self, i: int):
+        try:
+            return self.store.read(i, list(self.spec.layer_ids), decode=False)
+        except StoreError:
+            raise
+        except Exception as e:  # a checksum mismatch, a truncated shard: name what was being read
+            raise StoreError(f"{self.store.describe_sample(i)} could not be read: {type(e).__name__}: {e}. "
+                             f"Run `python -m extract.inspect {self.store_path} --verify` for every damaged "
+                             f"unit, then re-extract them") from None
+
     def __getitem__(self, j: int) -> dict:
         row, samples = self.rows[self.first_row + j]
-        s, S = self.store, self.seq_len
-        L, H = len(self.layer_ids), s.layout.hidden
-        K = s.layout.topk
+        sp, s = self.spec, self.store
+        S, L, H, K = sp.seq_len, len(sp.layer_ids), s.layout.hidden, s.layout.topk
         fp8 = s.layout.precision == "fp8"
         out = {
             # fp8 stores travel as e4m3 bits + scales (half the bytes); train.step.draft decodes
@@ -87,15 +138,16 @@ class RowDataset(Dataset):
             "loss_mask": torch.zeros(S, dtype=torch.bool),
             "doc": torch.full((S,), -1, dtype=torch.long),
             "argmax": torch.zeros(S, dtype=torch.long),
+            "row": torch.tensor(row, dtype=torch.long),  # names the samples when a step goes wrong
         }
         if fp8:
             out["hidden_scale"] = torch.zeros(S, L, dtype=torch.float32)
-        if self.distill:
+        if sp.distill:
             out["topk_idx"] = torch.zeros(S, K, dtype=torch.long)
             out["topk_logp"] = torch.full((S, K), -1e4, dtype=torch.float32)
         pos = 0
         for d, i in enumerate(samples):
-            x = s.read(i, self.layer_ids, decode=False)
+            x = self._read(i)
             n = min(len(x.input_ids), S - pos)
             sl = slice(pos, pos + n)
             out["hidden"][sl] = x.hidden[:n].reshape(n, L * H)
@@ -105,12 +157,13 @@ class RowDataset(Dataset):
             out["loss_mask"][sl] = x.loss_mask[:n]
             out["doc"][sl] = d
             out["argmax"][sl] = x.topk_idx[:n, 0]
-            if self.distill:
+            if sp.distill:
                 out["topk_idx"][sl] = x.topk_idx[:n]
                 out["topk_logp"][sl] = x.topk_logp[:n]
             pos += n
-        g = torch.Generator().manual_seed(int(np.random.SeedSequence([self.seed, self.epoch + 1, row]).generate_state(1)[0]))
-        out["anchors"], out["anchor_valid"] = sample_anchors(out["loss_mask"], out["doc"], self.max_anchors, g)
+        stream = 0 if self.epoch is None else self.epoch + 1
+        g = torch.Generator().manual_seed(int(np.random.SeedSequence([sp.seed, stream, row]).generate_state(1)[0]))
+        out["anchors"], out["anchor_valid"] = sample_anchors(out["loss_mask"], out["doc"], sp.max_anchors, g)
         return out
 
 

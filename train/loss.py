@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
@@ -106,7 +104,3 @@ def metrics_from_stats(stats: torch.Tensor) -> dict:
     acc = (stats[2, 1:] / n).tolist()
     return {"acc": [round(a, 4) for a in acc], "acc_label": [round(a, 4) for a in (stats[1, 1:] / n).tolist()],
             "tau": round(acceptance_length(acc), 4)}
-
-
-def decay_weights(block: int, gamma: float) -> list[float]:
-    return [0.0] + [math.exp(-(k - 1) / gamma) for k in range(1, block)]

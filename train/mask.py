@@ -3,16 +3,17 @@
 Query row q = j * block + k is slot k of block j (anchor a_j). Key/value index kv < S is a
 context position of the row; kv >= S is slot (kv - S) % block of block (kv - S) // block.
 
-A query of block j sees:
+A query (slot k of block j, anchor a_j) sees:
   - context positions kv < a_j of the same document (the anchor's own hidden state is not
     visible, as at inference). Visibility compares positions with the anchor, never block
-    indices, so overlapping blocks cannot leak future context (DESIGN.md section 3/4);
-  - on sliding-window layers, additionally kv >= a_j + k - (W - 1): the window of the slot's
-    own position a_j + k, as the reference inference code's sliding attention gives it;
-  - every slot of its own block (bidirectional inside the block);
+    indices, so overlapping blocks cannot leak future context (docs/DESIGN.md, "The mask");
+  - slots of its own block: all of them on a bidirectional layer; slots <= k on a causal one;
+  - with a sliding window W, only positions >= a_j + k - (W - 1), context and block alike;
   - nothing of any other block.
-Padded anchors (valid = False) see only their own block, so no row is empty (SDPA would
-return NaN for an all-masked row); they carry no loss.
+vLLM, SGLang and SpecForge run sliding-window layers causal with the window, full-attention
+layers bidirectional (unless dflash_config.causal says otherwise): DrafterConfig.layer_mask
+resolves that per layer. Padded anchors (valid = False) see only their own block, so no row is
+empty (SDPA would return NaN for an all-masked row); they carry no loss.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def sample_anchors(loss_mask: torch.Tensor, doc: torch.Tensor, max_anchors: int,
 
 
 def make_mask_mod(anchors: torch.Tensor, valid: torch.Tensor, doc: torch.Tensor, block: int,
-                  window: int | None = None):
+                  window: int | None = None, causal: bool = False):
     """mask_mod(b, h, q, kv) -> bool, written with tensor ops only so that flex_attention can
     trace it and the dense form can evaluate it on broadcast index grids.
     anchors, valid: (B, A); doc: (B, S) document id per context position (-1 = padding)."""
@@ -53,11 +54,17 @@ def make_mask_mod(anchors: torch.Tensor, valid: torch.Tensor, doc: torch.Tensor,
         kv_ctx = kv.clamp(max=S - 1)
         a_ctx = a.clamp(max=S - 1)
         in_ctx = kv < S
+        slot = (kv - S).clamp(min=0)
+        kv_block, kv_k = slot // block, slot % block
         ctx_ok = (kv_ctx < a) & (doc[b, kv_ctx] == doc[b, a_ctx]) & valid[b, j]
+        block_ok = kv_block == j
+        if causal:
+            block_ok = block_ok & (kv_k <= k)
         if window is not None:
-            ctx_ok = ctx_ok & (kv_ctx >= a + k - (window - 1))
-        same_block = ((kv - S).clamp(min=0) // block) == j
-        return torch.where(in_ctx, ctx_ok, same_block)
+            lower = a + k - (window - 1)
+            ctx_ok = ctx_ok & (kv_ctx >= lower)
+            block_ok = block_ok & (a + kv_k >= lower)
+        return torch.where(in_ctx, ctx_ok, block_ok)
 
     return mask_mod
 

@@ -34,9 +34,8 @@ def draft(model, embed: torch.Tensor, batch: dict) -> torch.Tensor:
     inner = unwrap(model)
     cfg = inner.cfg
     tok, ctx_pos, block_pos = block_inputs(batch, cfg.block_size, cfg.mask_token_id)
-    need_sliding = "sliding_attention" in cfg.layer_types
-    masks = build_masks(batch, cfg.block_size, cfg.sliding_window, need_sliding,
-                        "sdpa" if inner.backend == "sdpa" else "flex", batch["input_ids"].device)
+    masks = build_masks(batch, cfg.block_size, cfg.mask_kinds(), "sdpa" if inner.backend == "sdpa" else "flex",
+                        batch["input_ids"].device)
     noise = F.embedding(tok, embed)
     return model(context_features(batch).to(noise.dtype), noise, ctx_pos, block_pos, masks)
 
@@ -65,7 +64,8 @@ def train_step(model, params, opt, sched, embed, head, mbs: list[dict], *, label
                loss_chunk: int, grad_clip: float, autocast) -> dict:
     """One optimizer step over micro-batches `mbs` (gradient accumulation). The loss is normalised
     by the summed slot weights of the whole global batch: every micro-batch of every rank
-    (DESIGN.md section 4.5). Returns device tensors only (no host sync inside)."""
+    (docs/DESIGN.md, "The training step"). The optimizer step is skipped when the gradient is not
+    finite (`finite` False in the result); the caller decides whether to stop."""
     block = unwrap(model).cfg.block_size
     world = dist.get_world_size() if dist.is_initialized() else 1
     tgs = [slot_targets(mb, block, gamma, labels) for mb in mbs]
@@ -85,9 +85,13 @@ def train_step(model, params, opt, sched, embed, head, mbs: list[dict], *, label
         stats_total += stats.detach().float()
         tokens += (mb["doc"] >= 0).sum()
     gnorm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
-    opt.step()
+    # The one host sync of a step: a non-finite gradient (NaN features, an overflow) must never
+    # reach the weights. The norm is global after DDP's all-reduce, so every rank agrees.
+    finite = bool(torch.isfinite(gnorm))
+    if finite:
+        opt.step()
     if sched is not None:
         sched.step()
     opt.zero_grad(set_to_none=True)
     return {"loss_sum": loss_total, "weight": W.squeeze(0), "stats": stats_total, "tokens": tokens,
-            "grad_norm": gnorm}
+            "grad_norm": gnorm, "finite": finite}

@@ -1,0 +1,86 @@
+"""One way to build a CLI: from a typed config dataclass, as torchtitan derives its CLI from its
+config classes. Every field becomes `--field-name` with its real type: bool -> --x/--no-x,
+Literal -> choices, list[int] -> "1,2,3", X | None -> optional. Per-field help and an optional
+parser/flag name come from the field's metadata (see `opt`)."""
+
+from __future__ import annotations
+
+import argparse
+import types
+from dataclasses import MISSING, field, fields
+from typing import Any, Callable, Literal, Union, get_args, get_origin, get_type_hints
+
+
+def opt(default: Any = MISSING, help: str = "", *, flag: str | None = None, parse: Callable | None = None,
+        cli: bool = True, default_factory: Callable | None = None):
+    """A dataclass field with its CLI help (and, rarely, its own flag name or parser)."""
+    meta = {"help": help, "flag": flag, "parse": parse, "cli": cli}
+    if default_factory is not None:
+        return field(default_factory=default_factory, metadata=meta)
+    return field(default=default, metadata=meta) if default is not MISSING else field(metadata=meta)
+
+
+def _unwrap_optional(t):
+    if get_origin(t) in (Union, types.UnionType):
+        args = [a for a in get_args(t) if a is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return t
+
+
+def _list_parser(elem):
+    def parse(s: str):
+        try:
+            return [elem(x) for x in s.split(",") if x.strip()] or None
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a comma-separated list of {elem.__name__}, got {s!r}")
+    return parse
+
+
+def _arg_type(fn):
+    """argparse shows an ArgumentTypeError's own message; a plain ValueError becomes 'invalid value'."""
+    def parse(s: str):
+        try:
+            return fn(s)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+    parse.__name__ = fn.__name__
+    return parse
+
+
+def add_arguments(ap: argparse.ArgumentParser, cls) -> None:
+    hints = get_type_hints(cls)
+    for f in fields(cls):
+        meta = f.metadata
+        if meta.get("cli") is False:
+            continue
+        flag = meta.get("flag") or "--" + f.name.replace("_", "-")
+        required = f.default is MISSING and f.default_factory is MISSING
+        default = None if required else (f.default if f.default is not MISSING else f.default_factory())
+        help_ = meta.get("help", "") or ""
+        if not required and default not in (None, [], False) and not isinstance(default, bool):
+            help_ += f" (default: {','.join(map(str, default)) if isinstance(default, list) else default})"
+        kw: dict = {"dest": f.name, "help": help_}
+        t = _unwrap_optional(hints[f.name])
+        if meta.get("parse"):
+            kw.update(type=_arg_type(meta["parse"]), default=default, required=required)
+        elif t is bool:
+            kw.update(action=argparse.BooleanOptionalAction, default=default)
+        elif get_origin(t) is Literal:
+            choices = get_args(t)
+            kw.update(choices=choices, type=type(choices[0]), default=default, required=required)
+        elif get_origin(t) is list:
+            kw.update(type=_list_parser(get_args(t)[0]), default=default, required=required)
+        else:
+            kw.update(type=t, default=default, required=required)
+        ap.add_argument(flag, **kw)
+
+
+def from_args(cls, ns: argparse.Namespace):
+    return cls(**{f.name: getattr(ns, f.name) for f in fields(cls) if f.metadata.get("cli") is not False})
+
+
+def parser_for(cls, prog: str, doc: str | None) -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(ap, cls)
+    return ap
