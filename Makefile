@@ -15,6 +15,9 @@ DRAFT   ?=
 OUT     ?= runs/default
 EXTRACT_ARGS ?=
 TRAIN_ARGS   ?=
+# Chat template options, as serving passes them (e.g. '{"enable_thinking": false}'): the same for
+# extraction and evaluation, or the drafter learns text in one mode and is judged in another.
+CHAT_TEMPLATE_KWARGS ?= {}
 PYTEST_ARGS  ?=
 
 DRAFTER ?= $(OUT)/export
@@ -48,7 +51,8 @@ test: venv
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 extract: venv $(if $(filter build/%,$(TARGET) $(DATA)),build/tiny-target/tiny_training.json)
-	$(BIN)/python -m extract --data "$(DATA)" --target "$(TARGET)" --store "$(STORE)" --gpus "$(GPUS)" $(EXTRACT_ARGS)
+	$(BIN)/python -m extract --data "$(DATA)" --target "$(TARGET)" --store "$(STORE)" --gpus "$(GPUS)" \
+		--chat-template-kwargs '$(CHAT_TEMPLATE_KWARGS)' $(EXTRACT_ARGS)
 
 inspect: venv
 	$(BIN)/python -m extract.inspect "$(STORE)"
@@ -62,7 +66,7 @@ train: venv
 # Real speculative decoding with the target and an exported drafter: tau, speedup, exactness.
 eval: venv
 	$(BIN)/python -m train.speculative --drafter "$(DRAFTER)" --target "$(TARGET)" --data "$(DATA)" \
-		--prompts $(PROMPTS) --max-new $(MAX_NEW)
+		--prompts $(PROMPTS) --max-new $(MAX_NEW) --chat-template-kwargs '$(CHAT_TEMPLATE_KWARGS)'
 
 # Several drafter configs from one store, no re-extraction: a table and a PNG in $(OUT)/ablate.
 ablate: venv
@@ -72,11 +76,11 @@ ablate: venv
 # The whole pipeline on the built-in default: target -> store -> drafter -> real decoding.
 demo: venv build/tiny-target/tiny_training.json
 	$(BIN)/python -m extract --data "$(DATA)" --target "$(TARGET)" --store "$(STORE)" --gpus "$(GPUS)" \
-		$(DEMO_EXTRACT) $(EXTRACT_ARGS)
+		--chat-template-kwargs '$(CHAT_TEMPLATE_KWARGS)' $(DEMO_EXTRACT) $(EXTRACT_ARGS)
 	$(BIN)/python -m extract.inspect "$(STORE)" --verify
 	$(BIN)/python -m train --store "$(STORE)" --out "$(OUT)" --gpus "$(GPUS)" $(DEMO_TRAIN) --resume $(TRAIN_ARGS)
 	$(BIN)/python -m train.speculative --drafter "$(OUT)/export" --target "$(TARGET)" --data "$(DATA)" \
-		--prompts $(PROMPTS) --max-new $(MAX_NEW)
+		--prompts $(PROMPTS) --max-new $(MAX_NEW) --chat-template-kwargs '$(CHAT_TEMPLATE_KWARGS)'
 
 clean:
 	rm -rf build stores runs

@@ -7,8 +7,7 @@ Rerunning the same command resumes: finished units are kept, the rest are recomp
 
 from __future__ import annotations
 
-import argparse
-import fcntl
+import errno
 import multiprocessing as mp
 import os
 import queue
@@ -23,7 +22,8 @@ import numpy as np
 
 from extract.data import DataError, describe, encode_all, resolve
 from shared import store as st
-from shared.config import ExtractConfig, parse_gpus
+from shared.cli import from_args, parser_for
+from shared.config import ExtractConfig
 from shared.target import (LAYER_CONVENTION, TargetError, check_safetensors, default_layer_ids,
                            load_embed_and_head, load_tokenizer, read_config, tensors_fingerprint,
                            tokenizer_fingerprint, weights_fingerprint)
@@ -54,7 +54,8 @@ def assign_units(lengths: list[int], shard_tokens: int) -> tuple[np.ndarray, int
 
 def plan(cfg: ExtractConfig, manifest: dict, tokenizer, n_layers: int, hidden: int) -> Path:
     """Tokenize DATA and create the store with its tokens and index."""
-    files, encoded, report = encode_all(cfg.data, tokenizer, cfg.max_len, cfg.too_long, cfg.progress)
+    files, encoded, report = encode_all(cfg.data, tokenizer, cfg.max_len, cfg.too_long, cfg.progress,
+                                        cfg.chat_template_kwargs)
     manifest["data"]["report"] = {"rows": report.rows, "kept": report.kept, "truncated": report.truncated,
                                   "skipped": dict(report.skipped), "examples": report.examples}
     store = write_plan(cfg, manifest, encoded, n_layers, hidden)
@@ -148,6 +149,8 @@ def launch(cfg: ExtractConfig, todo: list[int], layout: st.Layout):
                 if failed:
                     for p in procs:
                         p.terminate()
+                    if any(code == errno.ENOSPC for _, code in failed):
+                        raise OSError(errno.ENOSPC, "no space left on device")
                     raise ExtractError(f"worker(s) {failed} (rank, exit code) failed; finished units are "
                                        f"kept: rerun the same command to resume")
                 time.sleep(0.2)
@@ -220,6 +223,8 @@ def _manifest(cfg: ExtractConfig, tcfg: dict, tokenizer, layer_ids: list[int], s
                    "topk_logp": "float16 log-probabilities", "lse": "float32", "topk_idx": "int32"},
         "precision": cfg.precision, "codec": cfg.codec, "topk": cfg.topk, "max_len": cfg.max_len,
         "too_long": cfg.too_long,
+        # training and evaluation must render chats with the same options as serving
+        "chat_template_kwargs": dict(cfg.chat_template_kwargs),
         "data": {"spec": cfg.data, "files": sources},
         "run_key": {**cfg.run_key(), "layer_ids": layer_ids},
     }
@@ -232,8 +237,14 @@ def _check_resume(cfg: ExtractConfig, man: dict, new: dict):
         diffs.append("target weights differ")
     if man["tokenizer"]["fingerprint"] != new["tokenizer"]["fingerprint"]:
         diffs.append("tokenizer or chat template differs")
-    if [f["sha256"] for f in man["data"]["files"]] != [f["sha256"] for f in new["data"]["files"]]:
-        diffs.append("DATA files differ")
+    old_files, new_files = man["data"]["files"], new["data"]["files"]
+    if [f["sha256"] for f in old_files] != [f["sha256"] for f in new_files]:
+        changed = [f"{b['path']} (sha256 {a['sha256'][:16]}... in the store, now {b['sha256'][:16]}...)"
+                   for a, b in zip(old_files, new_files) if a["sha256"] != b["sha256"]]
+        if len(old_files) != len(new_files):
+            changed.append(f"{len(old_files)} source(s) in the store, {len(new_files)} now: "
+                           f"{[f['path'] for f in old_files]} vs {[f['path'] for f in new_files]}")
+        diffs.append("DATA files differ: " + "; ".join(changed))
     if diffs:
         raise ExtractError(f"STORE {cfg.store} was made with other settings, so it cannot be resumed: "
                            + "; ".join(diffs) + ". Use another STORE, or --overwrite to start over.")
@@ -242,6 +253,8 @@ def _check_resume(cfg: ExtractConfig, man: dict, new: dict):
 def run(cfg: ExtractConfig) -> dict:
     cfg.validate()
     store = Path(cfg.store)
+    if store.exists() and not store.is_dir():
+        raise ExtractError(f"STORE {store} is an existing file, not a folder: give a new or an existing store path")
     tcfg = read_config(cfg.target)
     check_safetensors(cfg.target)
     tokenizer = load_tokenizer(cfg.target)
@@ -254,12 +267,11 @@ def run(cfg: ExtractConfig) -> dict:
     manifest = _manifest(cfg, tcfg, tokenizer, layer_ids, sources)
 
     store.parent.mkdir(parents=True, exist_ok=True)
-    lock = open(store.with_name(store.name + ".lock"), "w")
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        raise ExtractError(f"STORE {store} is being written by another extract run") from None
+    with st.exclusive_lock(store):
+        return _run_locked(cfg, store, manifest, tokenizer, layer_ids, tcfg["hidden_size"])
 
+
+def _run_locked(cfg: ExtractConfig, store: Path, manifest: dict, tokenizer, layer_ids, hidden: int) -> dict:
     if store.exists() and cfg.overwrite:
         shutil.rmtree(store)
     if (store / "zarr.json").exists():
@@ -274,16 +286,60 @@ def run(cfg: ExtractConfig) -> dict:
     elif store.exists() and any(store.iterdir()):
         raise ExtractError(f"STORE {store} exists and is not a feature store; refusing to write into it")
     else:
-        plan(cfg, manifest, tokenizer, len(layer_ids), tcfg["hidden_size"])
+        plan(cfg, manifest, tokenizer, len(layer_ids), hidden)
 
     for tmp in (store / "_progress").glob("*.tmp*"):
         tmp.unlink()  # marker files a crash left half-written
     layout = st.Layout(**st.zarr.open_group(store=str(store), mode="r").attrs["dflash"]["layout"])
     done = st.done_units(store)
     todo = [u for u in range(layout.n_units) if u not in done]
-    seconds, _ = launch(cfg, todo, layout) if todo else (0.0, 0)
-    summary = finalize(cfg, seconds)
-    return summary
+    if todo:
+        check_free_space(cfg, store, layout, todo)
+    try:
+        seconds, _ = launch(cfg, todo, layout) if todo else (0.0, 0)
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        raise disk_full(store, layout) from None
+    return finalize(cfg, seconds)
+
+
+# --- disk space -------------------------------------------------------------------------------
+
+# Compression of features seen so far (BENCHMARKS.md: 1.27-1.39x for bf16, 1.22x for fp8 bytes):
+# the estimate takes the low end, so a store "clearly" too big for the disk is refused.
+_RATIO = {"none": 1.0, "lz4": 1.1, "blosc-lz41": 1.1}
+
+
+def bytes_per_token(layout: st.Layout) -> tuple[float, float]:
+    """(raw, estimated on disk) bytes per token for a store's arrays."""
+    feat = layout.n_layers * layout.hidden * (2 if layout.precision == "bf16" else 1)
+    feat += 4 * layout.n_layers if layout.precision == "fp8" else 0
+    other = layout.topk * (4 + 2) + 4 + 4 + 1  # top-k ids and log-probs, lse, input id, loss mask
+    return feat + other, feat / _RATIO.get(layout.codec, 1.2) + other / 2
+
+
+def check_free_space(cfg: ExtractConfig, store: Path, layout: st.Layout, todo: list[int]):
+    root = st.zarr.open_group(store=str(store), mode="r")
+    lengths, units = root["index/length"][:], root["index/offset"][:] // layout.shard_tokens
+    tokens = int(lengths[np.isin(units, todo)].sum())
+    raw, est = bytes_per_token(layout)
+    need, free = tokens * est, shutil.disk_usage(store).free
+    _log(f"estimated size of the features still to write: {need / 2**30:,.2f} GiB ({tokens:,.0f} tokens x "
+         f"{est:,.0f} B/token: {layout.n_layers} layers x {layout.hidden} x {layout.precision}, codec "
+         f"{layout.codec}; raw {raw:,.0f} B/token); free on {store}: {free / 2**30:,.2f} GiB")
+    if need > free and not cfg.ignore_free_space:
+        raise ExtractError(f"STORE {store}: about {need / 2**30:,.2f} GiB of features still to write, only "
+                           f"{free / 2**30:,.2f} GiB free. Free space or use another STORE; --ignore-free-space "
+                           f"starts anyway (the plan is kept: rerunning resumes)")
+
+
+def disk_full(store: Path, layout: st.Layout) -> ExtractError:
+    done = len(st.done_units(store))
+    on_disk = sum(f.stat().st_size for f in store.rglob("*") if f.is_file())
+    return ExtractError(f"STORE {store}: the disk is full (errno 28, no space left on device) after {done} of "
+                        f"{layout.n_units} units ({on_disk / 2**30:,.2f} GiB written). Finished units are kept; "
+                        f"free space and rerun the same command to resume")
 
 
 def print_summary(summary: dict, seconds: float):
@@ -298,43 +354,15 @@ def print_summary(summary: dict, seconds: float):
 
 
 def parse_args(argv=None) -> ExtractConfig:
-    d = ExtractConfig(data="", target="", store="")
-    ap = argparse.ArgumentParser(prog="python -m extract", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", required=True, help="jsonl/json/parquet file, glob, folder, or save_to_disk folder")
-    ap.add_argument("--target", required=True, help="local HF checkpoint (qwen3_5 / qwen3_5_text / qwen3)")
-    ap.add_argument("--store", required=True, help="output Zarr store (resumed if it exists)")
-    ap.add_argument("--gpus", default="", help="e.g. 0,1: one worker per GPU; empty: CPU")
-    ap.add_argument("--cpu-workers", type=int, default=d.cpu_workers)
-    ap.add_argument("--layers", default="", help=f"layer ids to keep, e.g. 1,16,31,46,61 (default: DFlash "
-                                                 f"default for --draft-layers); convention: {LAYER_CONVENTION}")
-    ap.add_argument("--draft-layers", type=int, default=d.draft_layers)
-    ap.add_argument("--max-len", type=int, default=d.max_len)
-    ap.add_argument("--too-long", choices=("truncate", "skip"), default=d.too_long)
-    ap.add_argument("--precision", choices=("bf16", "fp8"), default=d.precision)
-    ap.add_argument("--codec", choices=st.CODECS, default=d.codec)
-    ap.add_argument("--topk", type=int, default=d.topk)
-    ap.add_argument("--batch-tokens", type=int, default=d.batch_tokens)
-    ap.add_argument("--max-batch", type=int, default=d.max_batch)
-    ap.add_argument("--shard-tokens", type=int, default=d.shard_tokens)
-    ap.add_argument("--chunk-tokens", type=int, default=d.chunk_tokens)
-    ap.add_argument("--writers", type=int, default=d.writers)
-    ap.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default=d.dtype)
-    ap.add_argument("--overwrite", action="store_true", help="delete STORE first")
-    ap.add_argument("--no-progress", action="store_true")
-    a = ap.parse_args(argv)
-    return ExtractConfig(
-        data=a.data, target=a.target, store=a.store, gpus=parse_gpus(a.gpus), cpu_workers=a.cpu_workers,
-        layer_ids=[int(x) for x in a.layers.split(",") if x.strip()] or None, draft_layers=a.draft_layers,
-        max_len=a.max_len, too_long=a.too_long, precision=a.precision, codec=a.codec, topk=a.topk,
-        batch_tokens=a.batch_tokens, max_batch=a.max_batch, shard_tokens=a.shard_tokens,
-        chunk_tokens=a.chunk_tokens, writers=a.writers, dtype=a.dtype, overwrite=a.overwrite,
-        progress=not a.no_progress)
+    return from_args(ExtractConfig, parser_for(ExtractConfig, "python -m extract", __doc__).parse_args(argv))
 
 
 def main(argv=None) -> int:
     try:
-        cfg = parse_args(argv)
+        try:
+            cfg = parse_args(argv)
+        except SystemExit as e:  # argparse has printed why
+            return int(e.code or 0)
         t0 = time.time()
         summary = run(cfg)
         print_summary(summary, time.time() - t0)

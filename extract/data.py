@@ -9,6 +9,7 @@ covers every token.
 
 from __future__ import annotations
 
+import codecs
 import glob as globlib
 import hashlib
 import json
@@ -57,13 +58,30 @@ class Report:
         self.examples.setdefault(err.reason, str(err))
 
 
+def _is_saved_dataset(p: Path) -> bool:
+    """A folder written by `datasets.save_to_disk` (a Dataset or a DatasetDict)."""
+    return (p / "dataset_dict.json").exists() or ((p / "dataset_info.json").exists() and (p / "state.json").exists())
+
+
+def _folder_sources(p: Path) -> list[Path]:
+    """Data files and save_to_disk folders under p: a saved dataset is one source, and its own
+    metadata files (dataset_info.json, state.json, ...) are never read as data rows."""
+    if _is_saved_dataset(p):
+        return [p]
+    out = []
+    for child in sorted(p.iterdir()):
+        if child.is_dir():
+            out += _folder_sources(child)
+        elif child.suffix in SUFFIXES:
+            out.append(child)
+    return out
+
+
 def resolve(data: str) -> list[Path]:
-    """The files (or one save_to_disk folder) that DATA names, in a stable order."""
+    """The sources that DATA names (files, and save_to_disk folders), in a stable order."""
     p = Path(data)
     if p.is_dir():
-        if (p / "dataset_info.json").exists() or (p / "dataset_dict.json").exists() or (p / "state.json").exists():
-            return [p]
-        files = sorted(f for f in p.rglob("*") if f.suffix in SUFFIXES)
+        files = _folder_sources(p)
         if not files:
             raise DataError(f"DATA {data}: folder has no {'/'.join(SUFFIXES)} files and is not a "
                             f"datasets.save_to_disk folder")
@@ -115,18 +133,30 @@ def iter_rows(files: list[Path]) -> Iterator[tuple[int, int, str, dict | RowErro
             continue
         # JSON lines are parsed here rather than by datasets so that one malformed line is
         # reported with its line number and skipped, instead of failing the whole file.
-        text = f.read_text(encoding="utf-8", errors="replace")
-        if f.suffix == ".json" and text.lstrip().startswith("["):
+        raw = f.read_bytes()
+        if raw.startswith(codecs.BOM_UTF8):  # UTF-8 with a byte-order mark (Windows editors)
+            raw = raw[len(codecs.BOM_UTF8):]
+        if f.suffix == ".json" and raw.lstrip().startswith(b"["):
             try:
-                rows = json.loads(text)
+                rows = json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError as e:
+                raise DataError(f"DATA {f}: not UTF-8 (byte {e.start}: {raw[e.start:e.start + 4]!r})") from None
             except json.JSONDecodeError as e:
                 raise DataError(f"DATA {f}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
             for ri, row in enumerate(rows):
                 yield fi, ri, f"{f} row {ri}", row
             continue
-        for ri, line in enumerate(text.splitlines()):
+        for ri, bline in enumerate(raw.splitlines()):
             where = f"{f} line {ri + 1}"
-            if not line.strip():
+            if not bline.strip():
+                continue
+            try:
+                line = bline.decode("utf-8")
+            except UnicodeDecodeError as e:
+                # Skipped, not repaired: U+FFFD in place of the bytes would train the drafter on
+                # text the target never sees at serving time.
+                yield fi, ri, where, RowError("invalid_utf8", where, f"bytes that are not UTF-8 at column "
+                                                                     f"{e.start + 1} ({bline[e.start:e.start + 4]!r})")
                 continue
             try:
                 yield fi, ri, where, json.loads(line)
@@ -144,8 +174,32 @@ def _content(value, where: str, i: int) -> str:
     raise RowError("bad_field", where, f"field messages[{i}].content is not text ({type(value).__name__})")
 
 
+def _tool_calls(value, where: str, i: int) -> list[dict]:
+    """Tool calls in the transformers chat format: [{"type": "function", "function": {"name",
+    "arguments"}}]; also accepts the flat {"name", "arguments"} some datasets use."""
+    if not isinstance(value, list) or not value:
+        raise RowError("bad_field", where, f"field messages[{i}].tool_calls is not a non-empty list")
+    out = []
+    for j, c in enumerate(value):
+        fn = c.get("function", c) if isinstance(c, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise RowError("bad_field", where, f"field messages[{i}].tool_calls[{j}] has no function name")
+        args = fn.get("arguments", {})
+        if isinstance(args, str):  # JSON text: templates render a dict with tojson
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except json.JSONDecodeError:
+                pass  # kept as text; the templates print strings as they are
+        call = {"type": "function", "function": {"name": fn["name"], "arguments": args}}
+        if isinstance(c, dict) and "id" in c:
+            call["id"] = c["id"]
+        out.append(call)
+    return out
+
+
 def normalize_chat(row: dict, where: str) -> list[dict] | None:
-    """role/content messages from `messages` or `conversations`; None if the row is plain text."""
+    """Messages in the transformers chat format from `messages` or `conversations` (role/content
+    or ShareGPT from/value), tool calls and tool results included; None if the row is plain text."""
     key = "messages" if "messages" in row else "conversations" if "conversations" in row else None
     if key is None:
         if "text" in row:
@@ -167,27 +221,55 @@ def normalize_chat(row: dict, where: str) -> list[dict] | None:
                 raise RowError("bad_field", where, f"field {key}[{i}].from has unknown role {m['from']!r}")
         else:
             raise RowError("bad_field", where, f"field {key}[{i}] has neither 'role' nor 'from'")
-        if content is None:
+        msg = {"role": role}
+        if m.get("tool_calls"):
+            if role != "assistant":
+                raise RowError("bad_field", where, f"field {key}[{i}] has tool_calls but role {role!r}")
+            msg["tool_calls"] = _tool_calls(m["tool_calls"], where, i)
+        if content is None and "tool_calls" not in msg:
             raise RowError("bad_field", where, f"field {key}[{i}] has no content")
-        out.append({"role": role, "content": _content(content, where, i)})
+        msg["content"] = "" if content is None else _content(content, where, i)
+        for extra in ("name", "tool_call_id", "reasoning_content"):
+            if isinstance(m.get(extra), str):
+                msg[extra] = m[extra]
+        out.append(msg)
     if not any(m["role"] == "assistant" for m in out):
         raise RowError("no_assistant_turn", where, f"field '{key}' has no assistant turn")
-    if all(not m["content"].strip() for m in out if m["role"] == "assistant"):
+    if all(not m["content"].strip() and "tool_calls" not in m for m in out if m["role"] == "assistant"):
         raise RowError("empty_conversation", where, "every assistant turn is empty")
     return out
 
 
 class Encoder:
-    """Renders and tokenizes rows for one tokenizer."""
+    """Renders and tokenizes rows for one tokenizer, with the chat template options
+    (`template_kwargs`, e.g. {"enable_thinking": False}) that serving will use."""
 
-    def __init__(self, tokenizer, max_len: int, too_long: str):
+    def __init__(self, tokenizer, max_len: int, too_long: str, template_kwargs: dict | None = None):
         self.tok = tokenizer
         self.max_len, self.too_long = max_len, too_long
+        self.template_kwargs = dict(template_kwargs or {})
         eot = "<|im_end|>" if "<|im_end|>" in tokenizer.get_vocab() else tokenizer.eos_token
         self.eot = eot or ""
 
+    def _apply(self, msgs, where: str, **kw) -> str:
+        try:
+            return self.tok.apply_chat_template(msgs, tokenize=False, **self.template_kwargs, **kw)
+        except Exception as e:  # a template that rejects the conversation (e.g. role order)
+            raise RowError("template_error", where, f"chat template failed: {e}") from None
+
+    def prompt(self, msgs: list[dict], tools=None) -> str:
+        """The text the target sees before it writes the next assistant turn."""
+        return self._apply(msgs, "prompt", add_generation_prompt=True, **({"tools": tools} if tools else {}))
+
     def render(self, row: dict, where: str) -> tuple[str, list[tuple[int, int]] | None]:
-        """Text to tokenize and the character spans that carry loss (None: all of it)."""
+        """Text to tokenize and the character spans that carry loss (None: all of it).
+
+        An assistant turn's loss span is what the model writes there: the render of the
+        conversation up to and including the turn, minus the render of the conversation before
+        it with the generation prompt (so tool calls, and whatever the template puts in the
+        prompt such as an empty think block, land on the right side), cut after its end-of-turn
+        token. Templates that render earlier turns otherwise than the last one (Qwen3 drops old
+        reasoning) fall back to the turn's own content, found verbatim."""
         if not isinstance(row, dict):
             raise RowError("bad_field", where, f"row is a {type(row).__name__}, not an object")
         msgs = normalize_chat(row, where)
@@ -198,21 +280,39 @@ class Encoder:
             if not text.strip():
                 raise RowError("empty_conversation", where, "field 'text' is empty")
             return text, None
-        try:
-            text = self.tok.apply_chat_template(msgs, tokenize=False)
-        except Exception as e:  # a template that rejects the conversation (e.g. role order)
-            raise RowError("template_error", where, f"chat template failed: {e}") from None
+        tools = row.get("tools")
+        if tools is not None and not isinstance(tools, list):
+            raise RowError("bad_field", where, "field 'tools' is not a list")
+        kw = {"tools": tools} if tools else {}
+        text = self._apply(msgs, where, **kw)
         spans, cursor = [], 0
-        for m in msgs:
-            if m["role"] != "assistant" or not m["content"]:
+        for i, m in enumerate(msgs):
+            if m["role"] != "assistant":
                 continue
-            start = text.find(m["content"], cursor)
-            if start < 0:
-                raise RowError("template_error", where, "assistant content not found verbatim in the "
-                                                        "rendered chat (the template rewrites it)")
-            end = start + len(m["content"])
-            if self.eot and text.startswith(self.eot, end):
-                end += len(self.eot)  # the end-of-turn token is what the drafter must learn to stop on
+            for call in m.get("tool_calls", ()):
+                if call["function"]["name"] not in text:
+                    raise RowError("template_error", where, "the chat template does not render tool calls "
+                                                            f"(messages[{i}] calls {call['function']['name']!r})")
+            before = self._apply(msgs[:i], where, add_generation_prompt=True, **kw)
+            upto = self._apply(msgs[:i + 1], where, **kw)
+            seg = upto[len(before):] if upto.startswith(before) else ""
+            start = text.find(seg, cursor) if seg.strip() else -1
+            if start >= 0:
+                cut = seg.rfind(self.eot) if self.eot else -1
+                end = start + (cut + len(self.eot) if cut >= 0 else len(seg.rstrip()))
+            else:
+                if not m["content"]:
+                    if "tool_calls" in m:
+                        raise RowError("template_error", where, f"messages[{i}]: the tool call's text cannot "
+                                                                "be located in the rendered chat")
+                    continue
+                start = text.find(m["content"], cursor)
+                if start < 0:
+                    raise RowError("template_error", where, "assistant content not found verbatim in the "
+                                                            "rendered chat (the template rewrites it)")
+                end = start + len(m["content"])
+                if self.eot and text.startswith(self.eot, end):
+                    end += len(self.eot)  # the end-of-turn token is what the drafter must learn to stop on
             spans.append((start, end))
             cursor = end
         return text, spans
@@ -240,11 +340,12 @@ class Encoder:
         return ids, mask, truncated
 
 
-def encode_all(data: str, tokenizer, max_len: int, too_long: str, progress: bool = True):
+def encode_all(data: str, tokenizer, max_len: int, too_long: str, progress: bool = True,
+               template_kwargs: dict | None = None):
     """Every usable row of DATA, encoded, with a report of what was skipped and why."""
     from shared.progress import progress_bar
     files = resolve(data)
-    enc, report, out = Encoder(tokenizer, max_len, too_long), Report(), []
+    enc, report, out = Encoder(tokenizer, max_len, too_long, template_kwargs), Report(), []
     for fi, ri, where, row in progress_bar(iter_rows(files), desc="tokenize", unit=" rows", disable=not progress):
         report.rows += 1
         try:

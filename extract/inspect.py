@@ -17,12 +17,16 @@ from shared import store as st
 
 def verify(path: str, progress: bool = True) -> list[str]:
     """Every index entry inside its unit and non-overlapping; every unit marked done; every
-    array decodes and matches the checksum taken before compression; no NaN in kept samples."""
+    array decodes and matches the checksum taken before compression; no NaN in kept samples; the
+    extraction finalized. A damaged unit is a problem of its own: the checks go on."""
     s = st.Store(path, require_complete=False)
     lay = s.layout
     problems = []
-    offsets, lengths = s.array("index/offset")[:], s.array("index/length")[:]
-    ok = s.array("index/ok")[:]
+    try:
+        offsets, lengths = s.array("index/offset")[:], s.array("index/length")[:]
+        ok = s.array("index/ok")[:]
+    except Exception as e:
+        return [f"index: unreadable ({type(e).__name__}: {e}); re-extract the store"]
     units = offsets // lay.shard_tokens
     if (lengths <= 0).any():
         problems.append(f"{int((lengths <= 0).sum())} samples with no tokens")
@@ -37,17 +41,28 @@ def verify(path: str, progress: bool = True) -> list[str]:
             problems.append(f"unit {u}: not written")
             continue
         sl = slice(u * lay.shard_tokens, (u + 1) * lay.shard_tokens)
+        damaged = False
         for name, want in done[u]["crc32"].items():
-            got = st.crc(s.array(name)[sl])
+            try:
+                got = st.crc(s.array(name)[sl])
+            except Exception as e:  # zarr's own checksum, a truncated shard, ...
+                problems.append(f"unit {u}: {name} unreadable ({type(e).__name__}: {e})")
+                damaged = True
+                continue
             if got != want:
                 problems.append(f"unit {u}: {name} checksum {got:08x} != {want:08x} written")
         members = np.nonzero((units == u) & (ok == 1))[0]
-        if lay.precision == "bf16" and len(members):
+        if lay.precision == "bf16" and len(members) and not damaged:
             h = st.bits_to_bf16(s.array("features/hidden")[sl])
             for i in members:
                 lo = offsets[i] - u * lay.shard_tokens
                 if not h[lo:lo + lengths[i]].float().isfinite().all():
                     problems.append(f"sample {i}: non-finite features")
+    if not s.manifest.get("complete"):
+        left = lay.n_units - len(done)
+        problems.append("extraction not finished (" + (f"{left} of {lay.n_units} units to write" if left else
+                        "every unit written, the store not finalized") + "): training refuses it; rerun the "
+                        "same extract command to finish it")
     return problems
 
 
@@ -96,7 +111,7 @@ def main(argv=None) -> int:
                   f"{sm['compression_vs_raw_bf16']}x vs raw bf16")
     if a.verify:
         problems = verify(a.store)
-        for p in problems[:50]:
+        for p in problems:
             print(f"PROBLEM {p}")
         print(f"verify: {'OK' if not problems else f'{len(problems)} problem(s)'}")
         return 1 if problems else 0

@@ -13,6 +13,7 @@ The device never waits on compression or disk:
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import queue
 import threading
@@ -230,4 +231,9 @@ def worker_main(cfg: ExtractConfig, rank: int, world: int, device: str, units: l
     else:
         torch.set_num_threads(max(1, threads))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    Worker(cfg, rank, world, torch.device(device), progress_q).run(units)
+    try:
+        Worker(cfg, rank, world, torch.device(device), progress_q).run(units)
+    except OSError as e:
+        if e.errno == errno.ENOSPC and world > 1:  # the parent turns this exit code into its message
+            raise SystemExit(errno.ENOSPC) from None
+        raise

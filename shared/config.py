@@ -1,9 +1,13 @@
-"""Typed settings for both stages, with their validation."""
+"""Typed settings of the extract stage and the GPU list both stages take, with their validation
+(the train stage's settings live in train/config.py)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+from dataclasses import dataclass
+from typing import Literal
 
+from shared.cli import opt
 from shared.store import CODECS
 
 
@@ -26,30 +30,47 @@ def parse_gpus(spec: str | None) -> list[int]:
     return ids
 
 
+def parse_json_object(spec: str) -> dict:
+    """'{"enable_thinking": false}' -> dict (the chat template's keyword arguments)."""
+    try:
+        value = json.loads(spec) if spec.strip() else {}
+    except json.JSONDecodeError as e:
+        raise ValueError(f"expected a JSON object, e.g. '{{\"enable_thinking\": false}}' ({e.msg})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"expected a JSON object, got {type(value).__name__}")
+    return value
+
+
 @dataclass
 class ExtractConfig:
-    data: str
-    target: str
-    store: str
-    gpus: list[int] = field(default_factory=list)
-    cpu_workers: int = 1               # worker processes when no GPU is listed (tests use 2)
-    layer_ids: list[int] | None = None  # None: DFlash default for `draft_layers`
-    draft_layers: int = 5
-    max_len: int = 4096
-    too_long: str = "truncate"          # "truncate" | "skip"
-    precision: str = "bf16"             # "bf16" (lossless) | "fp8" (e4m3, per-token-layer scale)
-    codec: str = "zstd1"                # fastest through zarr at the best ratio seen on features (BENCHMARKS.md)
-    topk: int = 16
-    batch_tokens: int = 16384           # padded tokens per forward
-    max_batch: int = 64
-    shard_tokens: int = 16384           # tokens per unit (= per shard of every token array)
-    chunk_tokens: int = 64              # tokens per compressed chunk of features/hidden
-    writers: int = 3                    # units compressed and written in parallel per worker
-    queue_units: int = 2                # finished units waiting for a writer (bounds host memory)
-    dtype: str = "auto"                 # compute dtype: auto = bf16 on GPU, fp32 on CPU
-    logit_chunk: int = 2048             # tokens per LM-head chunk when computing top-k and lse
-    overwrite: bool = False
-    progress: bool = True
+    data: str = opt(help="jsonl/json/parquet file, glob, folder, or datasets.save_to_disk folder")
+    target: str = opt(help="local HF checkpoint (qwen3_5 / qwen3_5_text / qwen3)")
+    store: str = opt(help="output Zarr store (resumed if it exists)")
+    gpus: list[int] = opt(help="e.g. 0,1: one worker per GPU; empty: CPU", parse=parse_gpus, default_factory=list)
+    cpu_workers: int = opt(1, "worker processes when no GPU is listed")
+    layer_ids: list[int] | None = opt(None, "layer ids to keep, e.g. 1,16,31,46,61 (default: DFlash default for "
+                                            "--draft-layers); id i = output of decoder layer i = HF "
+                                            "hidden_states[i+1]", flag="--layers")
+    draft_layers: int = opt(5, "draft layers the default layer set is made for")
+    max_len: int = opt(4096, "longer sequences are truncated or skipped")
+    too_long: Literal["truncate", "skip"] = opt("truncate", "what happens to a sequence over --max-len")
+    chat_template_kwargs: dict = opt(help="JSON object passed to the chat template, as serving passes it, e.g. "
+                                          "'{\"enable_thinking\": false}'; recorded in the manifest",
+                                     parse=parse_json_object, default_factory=dict)
+    precision: Literal["bf16", "fp8"] = opt("bf16", "bf16 (lossless) or fp8 (e4m3, a float32 scale per token and layer)")
+    codec: str = opt("zstd1", f"compressor of the hidden states: {', '.join(CODECS)}")
+    topk: int = opt(16, "top-k of the target's distribution kept per token")
+    batch_tokens: int = opt(16384, "padded tokens per forward")
+    max_batch: int = opt(64, "sequences per forward")
+    shard_tokens: int = opt(16384, "tokens per unit (= per shard of every token array)")
+    chunk_tokens: int = opt(64, "tokens per compressed chunk of features/hidden")
+    writers: int = opt(3, "units compressed and written in parallel per worker")
+    queue_units: int = opt(2, "finished units waiting for a writer (bounds host memory)", cli=False)
+    dtype: Literal["auto", "bf16", "fp32"] = opt("auto", "compute dtype: auto = bf16 on GPU, fp32 on CPU")
+    logit_chunk: int = opt(2048, "tokens per LM-head chunk when computing top-k and lse", cli=False)
+    ignore_free_space: bool = opt(False, "start although the estimated store is larger than the free disk space")
+    overwrite: bool = opt(False, "delete STORE first")
+    progress: bool = opt(True, "tqdm progress bars")
 
     def validate(self):
         if self.too_long not in ("truncate", "skip"):
@@ -73,4 +94,4 @@ class ExtractConfig:
     def run_key(self) -> dict:
         """Settings that change the store's contents: a resumed run must match them."""
         return {k: getattr(self, k) for k in ("max_len", "too_long", "precision", "codec", "topk",
-                                              "shard_tokens", "chunk_tokens")}
+                                              "shard_tokens", "chunk_tokens", "chat_template_kwargs")}

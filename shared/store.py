@@ -27,6 +27,8 @@ marker is rewritten from scratch on resume, so nothing half-written can look com
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import zlib
@@ -168,6 +170,45 @@ def crc(a: np.ndarray) -> int:
     return zlib.crc32(np.ascontiguousarray(a).view(np.uint8).reshape(-1)) & 0xFFFFFFFF
 
 
+# --- atomic files and the writer's lock -------------------------------------------------------
+
+def atomic_write_text(path: Path, text: str):
+    """Write through a temporary name in the same folder, then rename: readers see the old file
+    or the new one, never half of one."""
+    path = Path(path)
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def exclusive_lock(store: Path):
+    """One writer per store: an flock on STORE.lock, held for the run and removed on exit (also
+    after a refused run), so nothing is left beside the store. The holder unlinks the file while
+    it still holds it; a run that locked a file someone has since unlinked retries on the new one."""
+    path = Path(store).with_name(Path(store).name + ".lock")
+    while True:
+        fh = open(path, "a+")
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.close()
+            raise StoreError(f"STORE {store} is being written by another extract run") from None
+        try:
+            same = os.fstat(fh.fileno()).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            break
+        fh.close()
+    try:
+        yield
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        fh.close()
+
+
 # --- units ----------------------------------------------------------------------------------
 
 def marker_path(path: Path, unit: int) -> Path:
@@ -191,10 +232,8 @@ def write_unit(root: zarr.Group, path: Path, unit: int, arrays: dict[str, np.nda
         root[name][lo:hi] = data
         checks[name] = crc(data)
     info = {**info, "unit": unit, "crc32": checks}
-    dst = marker_path(path, unit)
-    tmp = dst.with_suffix(f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(info))
-    os.replace(tmp, dst)  # the marker appears only after every shard of the unit is written
+    # the marker appears only after every shard of the unit is written
+    atomic_write_text(marker_path(path, unit), json.dumps(info))
 
 
 # --- reading --------------------------------------------------------------------------------

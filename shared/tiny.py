@@ -19,12 +19,39 @@ import random
 import sysconfig
 from pathlib import Path
 
-# ChatML, as the Qwen family renders it. Kept minimal: roles and content only.
+# ChatML, as the Qwen family renders it: roles and content, tool definitions in the system turn,
+# tool calls as <tool_call> JSON after the assistant's text, tool results as user turns with
+# <tool_response>, and `enable_thinking=False` as an empty think block opening each assistant
+# turn (the generation prompt included), as Qwen3 templates do. A plain chat renders exactly as
+# '<|im_start|>ROLE\nCONTENT<|im_end|>\n' per message.
 CHAT_TEMPLATE = (
+    "{%- set nothink = enable_thinking is defined and not enable_thinking %}"
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] + '\n\n' }}{%- endif %}"
+    "{{- '# Tools\n<tools>' }}{%- for tool in tools %}{{- '\n' + (tool | tojson) }}{%- endfor %}"
+    "{{- '\n</tools><|im_end|>\n' }}"
+    "{%- endif %}"
     "{%- for message in messages %}"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- if message['role'] == 'system' and tools and loop.first %}"
+    "{%- elif message['role'] == 'tool' %}"
+    "{{- '<|im_start|>user\n<tool_response>\n' + message['content'] + '\n</tool_response><|im_end|>\n' }}"
+    "{%- elif message['role'] == 'assistant' %}"
+    "{{- '<|im_start|>assistant\n' }}{%- if nothink %}{{- '<think>\n\n</think>\n\n' }}{%- endif %}"
+    "{{- message['content'] }}"
+    "{%- for call in message.get('tool_calls') or [] %}"
+    "{%- set fn = call['function'] %}"
+    "{{- '\n<tool_call>\n{\"name\": \"' + fn['name'] + '\", \"arguments\": ' }}"
+    "{%- if fn['arguments'] is string %}{{- fn['arguments'] }}{%- else %}{{- fn['arguments'] | tojson }}{%- endif %}"
+    "{{- '}\n</tool_call>' }}"
     "{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+    "{{- '<|im_end|>\n' }}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}"
+    "{%- if nothink %}{{- '<think>\n\n</think>\n\n' }}{%- endif %}{%- endif %}"
 )
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
 

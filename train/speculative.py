@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from extract.features import capture_layers
+from shared.config import parse_json_object
 from train.model import DFlashDrafter
 from train.step import draft
 
@@ -156,42 +157,43 @@ def speculative(target: Target, propose, prompt: list[int], max_new: int, eos: i
     return res
 
 
-def prompts_from(data: str, tokenizer, n: int, max_prompt: int) -> list[list[int]]:
-    """The last n usable chat rows of DATA, cut before their first assistant turn."""
-    from extract.data import iter_rows, normalize_chat, resolve, RowError
+def prompts_from(data: str, tokenizer, n: int, max_prompt: int, template_kwargs: dict | None = None) -> list[list[int]]:
+    """The last n usable chat rows of DATA, cut before their first assistant turn, rendered with
+    the chat template options the store was extracted with (serving must use the same)."""
+    from extract.data import Encoder, RowError, iter_rows, normalize_chat, resolve
+    enc = Encoder(tokenizer, max_prompt, "truncate", template_kwargs)
     rows = []
     for _, _, where, row in iter_rows(resolve(data)):
         if isinstance(row, RowError) or not isinstance(row, dict):
             continue
         try:
             msgs = normalize_chat(row, where)
+            if msgs is None:
+                continue
+            first = next(i for i, m in enumerate(msgs) if m["role"] == "assistant")
+            text = enc.prompt(msgs[:first], row.get("tools"))
         except RowError:
             continue
-        if msgs is None:
-            continue
-        first = next(i for i, m in enumerate(msgs) if m["role"] == "assistant")
-        text = tokenizer.apply_chat_template(msgs[:first], tokenize=False, add_generation_prompt=True)
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"][-max_prompt:]
-        rows.append(ids)
+        rows.append(tokenizer(text, add_special_tokens=False)["input_ids"][-max_prompt:])
     return rows[-n:]
 
 
-def evaluate(target_path: str, drafter_path: str, data: str, n_prompts: int = 16, max_new: int = 64,
-             max_prompt: int = 512, progress: bool = True) -> dict:
+def resolve_device(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
+    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
+                       ("cpu" if device == "auto" else device))
+    dt = {"auto": torch.bfloat16 if dev.type == "cuda" else torch.float32, "bf16": torch.bfloat16,
+          "fp32": torch.float32}[dtype]
+    return dev, dt
+
+
+def decode_all(target_model, drafter, prompts, max_new: int, eos: int | None, progress: bool = True) -> dict:
+    """Greedy and speculative decoding of every prompt; tau, tokens per target forward, timings."""
     from shared.progress import progress_bar
-    from shared.target import load_target, load_tokenizer
-    from train.export import load_drafter
-    device = torch.device("cpu")
-    model = load_target(target_path, device, torch.float32)
-    tok = load_tokenizer(target_path)
-    drafter = load_drafter(drafter_path).eval()
-    target = Target(model, drafter.cfg.target_layer_ids)
-    plain = Target(model, [])
-    embed, head = model.get_input_embeddings().weight, model.lm_head.weight
+    target = Target(target_model, drafter.cfg.target_layer_ids)
+    plain = Target(target_model, [])
+    embed, head = target_model.get_input_embeddings().weight, target_model.lm_head.weight
     propose = drafter_proposal(drafter, embed, head)
-    eos = tok.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tok.get_vocab() else tok.eos_token_id
-    prompts = prompts_from(data, tok, n_prompts, max_prompt)
-    blocks, t_greedy, t_spec, mismatches, forwards, new_tokens = [], 0.0, 0.0, [], 0, 0
+    blocks, t_greedy, t_spec, mismatches, forwards, g_forwards, new_tokens = [], 0.0, 0.0, [], 0, 0, 0
     for i, p in enumerate(progress_bar(prompts, desc="speculative decoding", disable=not progress)):
         g = greedy(plain, list(p), max_new, eos)
         s = speculative(target, propose, list(p), max_new, eos)
@@ -201,12 +203,30 @@ def evaluate(target_path: str, drafter_path: str, data: str, n_prompts: int = 16
         blocks += s.blocks
         t_greedy, t_spec = t_greedy + g.seconds, t_spec + s.seconds
         forwards += s.forwards
+        g_forwards += g.forwards
         new_tokens += len(s.tokens)
     summary = summarize(blocks, drafter.cfg.block_size)
     summary.update({"prompts": len(prompts), "new_tokens": new_tokens,
                     "tokens_per_target_forward": new_tokens / max(forwards, 1),
                     "greedy_seconds": round(t_greedy, 3), "speculative_seconds": round(t_spec, 3),
+                    "greedy_ms_per_token": round(1000 * t_greedy / max(g_forwards, 1), 3),
                     "speedup": t_greedy / max(t_spec, 1e-9), "mismatches": mismatches})
+    return summary
+
+
+def evaluate(target_path: str, drafter_path: str, data: str, n_prompts: int = 16, max_new: int = 64,
+             max_prompt: int = 512, progress: bool = True, device: str = "auto", dtype: str = "auto",
+             template_kwargs: dict | None = None) -> dict:
+    from shared.target import load_target, load_tokenizer
+    from train.export import load_drafter
+    dev, dt = resolve_device(device, dtype)
+    model = load_target(target_path, dev, dt)
+    tok = load_tokenizer(target_path)
+    drafter = load_drafter(drafter_path, dtype=dt).to(dev).eval()
+    eos = tok.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tok.get_vocab() else tok.eos_token_id
+    prompts = prompts_from(data, tok, n_prompts, max_prompt, template_kwargs)
+    summary = decode_all(model, drafter, prompts, max_new, eos, progress)
+    summary.update({"device": str(dev), "dtype": str(dt).removeprefix("torch.")})
     return summary
 
 
@@ -218,15 +238,21 @@ def main(argv=None) -> int:
     ap.add_argument("--data", required=True, help="chat rows; the last --prompts rows are used")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--max-new", type=int, default=64)
+    ap.add_argument("--device", default="auto", help="auto: the GPU if there is one, else cpu; or cuda:1, cpu")
+    ap.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto", help="auto: bf16 on GPU, fp32 on CPU")
+    ap.add_argument("--chat-template-kwargs", type=parse_json_object, default={},
+                    help="JSON object for the chat template, as at extraction and serving (e.g. "
+                         "'{\"enable_thinking\": false}'); see `make inspect` for the store's")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
-    s = evaluate(a.target, a.drafter, a.data, a.prompts, a.max_new)
+    s = evaluate(a.target, a.drafter, a.data, a.prompts, a.max_new, device=a.device, dtype=a.dtype,
+                 template_kwargs=a.chat_template_kwargs)
     print(f"tau {s['tau']:.3f} over {s['blocks']} blocks ({s['prompts']} prompts, {s['new_tokens']} tokens); "
           f"tokens per target forward {s['tokens_per_target_forward']:.3f}")
     print("accepted-length histogram (tokens committed per verification): "
           + " ".join(f"{i}:{c}" for i, c in enumerate(s["histogram"]) if c))
-    print(f"wall clock: greedy {s['greedy_seconds']:.2f}s, speculative {s['speculative_seconds']:.2f}s, "
-          f"speedup {s['speedup']:.2f}x")
+    print(f"wall clock ({s['device']}, {s['dtype']}): greedy {s['greedy_seconds']:.2f}s, speculative "
+          f"{s['speculative_seconds']:.2f}s, speedup {s['speedup']:.2f}x")
     if a.json:
         Path(a.json).write_text(json.dumps(s, indent=2))
     if s["mismatches"]:

@@ -1,0 +1,250 @@
+"""Every bad input and every broken store gets a clear answer (README: "Bad input")."""
+
+from __future__ import annotations
+
+import errno
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import extract_cfg, read_all
+from extract.__main__ import ExtractError, main, run
+from extract.data import Encoder, encode_all
+from shared import store as st
+from shared.target import TargetError
+
+CHAT = {"messages": [{"role": "user", "content": "say hi"}, {"role": "assistant", "content": "hi there friend"}]}
+
+
+def mask_runs(tok, ids, mask) -> list[str]:
+    runs, cur = [], []
+    for i, m in zip(ids, mask):
+        if m:
+            cur.append(int(i))
+        elif cur:
+            runs.append(cur)
+            cur = []
+    if cur:
+        runs.append(cur)
+    return [tok.decode(r) for r in runs]
+
+
+# --- inputs ------------------------------------------------------------------------------------
+
+def test_jsonl_with_a_byte_order_mark_keeps_its_first_row(tiny, tmp_path):
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + (json.dumps(CHAT) + "\n").encode() * 3)
+    _, rows, report = encode_all(str(path), tiny["tokenizer"], 256, "truncate", progress=False)
+    assert len(rows) == 3 and not report.skipped and [r.row for r in rows] == [0, 1, 2]
+
+
+def test_bytes_that_are_not_utf8_skip_the_row_with_a_reason(tiny, tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    good = (json.dumps(CHAT) + "\n").encode()
+    bad = json.dumps({"messages": [{"role": "user", "content": "caf_"},
+                                   {"role": "assistant", "content": "ok then friend"}]}).encode().replace(b"_", b"\xe9")
+    path.write_bytes(good + bad + b"\n" + good)
+    _, rows, report = encode_all(str(path), tiny["tokenizer"], 256, "truncate", progress=False)
+    assert [r.row for r in rows] == [0, 2]
+    assert dict(report.skipped) == {"invalid_utf8": 1}
+    assert f"{path} line 2" in report.examples["invalid_utf8"] and "b'\\xe9" in report.examples["invalid_utf8"]
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "weather of a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+
+
+@pytest.mark.parametrize("empty", ["", None])
+def test_tool_calls_and_results_render_through_the_template(tiny, empty):
+    row = {"tools": TOOLS, "messages": [
+        {"role": "user", "content": "weather in Paris?"},
+        {"role": "assistant", "content": empty,
+         "tool_calls": [{"type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "content": "sunny, 21C"},
+        {"role": "assistant", "content": "It is sunny in Paris."}]}
+    tok = tiny["tokenizer"]
+    enc = Encoder(tok, 512, "truncate")
+    text, _ = enc.render(row, "r")
+    assert "<tools>" in text and '"get_weather"' in text and "<tool_response>\nsunny, 21C\n</tool_response>" in text
+    ids, mask, _ = enc.encode(row, "r")
+    # loss on what the assistant writes: its tool call and its answer, each with <|im_end|>
+    assert mask_runs(tok, ids, mask) == [
+        '\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>',
+        "It is sunny in Paris.<|im_end|>"]
+
+
+def test_a_template_without_tool_support_is_refused_not_dropped(tiny):
+    import copy
+    tok = copy.deepcopy(tiny["tokenizer"])
+    tok.chat_template = ("{%- for m in messages %}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
+                         "'<|im_end|>\\n' }}{%- endfor %}")
+    row = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "",
+                                                           "tool_calls": [{"name": "lookup", "arguments": {}}]}]}
+    from extract.data import RowError
+    with pytest.raises(RowError, match="does not render tool calls") as e:
+        Encoder(tok, 512, "truncate").encode(row, "f line 1")
+    assert e.value.reason == "template_error"
+
+
+def test_chat_template_kwargs_render_mask_manifest_and_resume(tiny, tmp_path):
+    tok = tiny["tokenizer"]
+    off = Encoder(tok, 512, "truncate", {"enable_thinking": False})
+    text, _ = off.render(CHAT, "r")
+    assert "<|im_start|>assistant\n<think>\n\n</think>\n\nhi there friend" in text
+    ids, mask, _ = off.encode(CHAT, "r")
+    assert mask_runs(tok, ids, mask) == ["hi there friend<|im_end|>"]  # the empty think block is prompt
+    assert "<think>" not in Encoder(tok, 512, "truncate").render(CHAT, "r")[0]
+    # the CLI takes the JSON, the manifest records it, a resume with other options refuses
+    store = tmp_path / "s"
+    args = ["--data", str(tiny["corpus"]), "--target", str(tiny["target"]), "--store", str(store), "--layers",
+            "0,3", "--max-len", "256", "--shard-tokens", "1024", "--batch-tokens", "1024", "--topk", "4",
+            "--no-progress"]
+    assert main(args + ["--chat-template-kwargs", '{"enable_thinking": false}']) == 0
+    s = st.Store(store)
+    assert s.manifest["chat_template_kwargs"] == {"enable_thinking": False}
+    ids, mask = s.tokens(0)
+    assert "<think>\n\n</think>" in tok.decode(ids)
+    with pytest.raises(ExtractError, match="chat_template_kwargs: store has {'enable_thinking': False}, asked {}"):
+        run(extract_cfg(tiny, store, layer_ids=[0, 3], topk=4))
+    assert main(args + ["--chat-template-kwargs", "[1, 2]"]) == 2
+
+
+def test_save_to_disk_folder_among_files_is_loaded_as_a_dataset(tiny, tmp_path):
+    import datasets
+    rows = tiny["rows"][:3]
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    datasets.Dataset.from_list(tiny["rows"][3:5]).save_to_disk(str(data / "nested" / "saved"))
+    datasets.DatasetDict({"train": datasets.Dataset.from_list(tiny["rows"][5:6])}).save_to_disk(str(data / "dd"))
+    files, got, report = encode_all(str(data), tiny["tokenizer"], 256, "truncate", progress=False)
+    assert [f.name for f in files] == ["a.jsonl", "dd", "saved"]
+    assert len(got) == 6 and not report.skipped, dict(report.skipped)
+
+
+def test_resume_refusal_names_the_changed_file_and_both_hashes(tiny, tmp_path):
+    data = tmp_path / "d.jsonl"
+    shutil.copy(tiny["corpus"], data)
+    store = tmp_path / "s"
+    run(extract_cfg(tiny, store, data=str(data), layer_ids=[0], topk=2))
+    old = st.Store(store).manifest["data"]["files"][0]["sha256"]
+    with data.open("a") as f:
+        f.write(json.dumps(CHAT) + "\n")
+    import hashlib
+    new = hashlib.sha256(data.read_bytes()).hexdigest()
+    with pytest.raises(ExtractError) as e:
+        run(extract_cfg(tiny, store, data=str(data), layer_ids=[0], topk=2))
+    assert f"DATA files differ: {data} (sha256 {old[:16]}... in the store, now {new[:16]}...)" in str(e.value)
+
+
+# --- target and store ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("damage", ["truncate", "garble"])
+def test_broken_safetensors_refused_before_planning(tiny, tmp_path, damage, capsys):
+    target = tmp_path / "target"
+    shutil.copytree(tiny["target"], target)
+    f = next(target.glob("*.safetensors"))
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) - 1000] if damage == "truncate" else data[:8] + b"{not json" + data[17:])
+    store = tmp_path / "s"
+    with pytest.raises(TargetError, match=f"TARGET {f}: " + ("truncated" if damage == "truncate" else
+                                                             "not a readable safetensors file")):
+        run(extract_cfg(tiny, store, target=str(target)))
+    assert not store.exists() and not (tmp_path / "s.partial").exists()
+    assert main(["--data", str(tiny["corpus"]), "--target", str(target), "--store", str(store), "--no-progress"]) == 2
+    assert str(f) in capsys.readouterr().err
+
+
+def test_store_that_is_a_regular_file_is_refused(tiny, tmp_path):
+    f = tmp_path / "store"
+    f.write_text("not a store")
+    with pytest.raises(ExtractError, match=f"STORE {f} is an existing file, not a folder"):
+        run(extract_cfg(tiny, f))
+    assert f.read_text() == "not a store"
+
+
+def test_free_space_estimate_refuses_and_can_be_overridden(tiny, tmp_path, monkeypatch, capsys):
+    import extract.__main__ as ex
+    real = shutil.disk_usage
+    monkeypatch.setattr(ex.shutil, "disk_usage", lambda p: real(p)._replace(free=20_000))
+    store = tmp_path / "s"
+    with pytest.raises(ExtractError, match=r"GiB of features still to write, only 0.00 GiB free.*--ignore-free-space"):
+        run(extract_cfg(tiny, store))
+    err = capsys.readouterr().err
+    assert "estimated size of the features still to write" in err and "3 layers x 64 x bf16" in err
+    assert not st.done_units(store)  # planned, nothing written: rerunning resumes
+    assert run(extract_cfg(tiny, store, ignore_free_space=True))["samples"] == len(tiny["rows"])
+
+
+def test_disk_full_is_a_clear_message_and_a_rerun_resumes(tiny, tmp_path, monkeypatch):
+    ref = tmp_path / "ref"
+    run(extract_cfg(tiny, ref))
+    real, calls = st.write_unit, {"n": 0}
+
+    def full(*a, **kw):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(st, "write_unit", full)
+    store = tmp_path / "s"
+    with pytest.raises(ExtractError) as e:
+        run(extract_cfg(tiny, store, writers=1))
+    msg = str(e.value)
+    assert f"STORE {store}: the disk is full" in msg and "GiB written" in msg and "rerun the same command" in msg
+    monkeypatch.setattr(st, "write_unit", real)
+    run(extract_cfg(tiny, store))
+    a, b = read_all(ref), read_all(store)
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_no_lock_file_is_left_and_a_held_lock_refuses(tiny, tmp_path):
+    store = tmp_path / "s"
+    run(extract_cfg(tiny, store, layer_ids=[0], topk=2))
+    assert not (tmp_path / "s.lock").exists()
+    with pytest.raises(ExtractError):  # refused run (other settings)
+        run(extract_cfg(tiny, store, layer_ids=[1], topk=2))
+    assert not (tmp_path / "s.lock").exists()
+    with st.exclusive_lock(store):
+        with pytest.raises(st.StoreError, match="being written by another extract run"):
+            run(extract_cfg(tiny, store, layer_ids=[0], topk=2))
+        assert (tmp_path / "s.lock").exists()  # the holder's lock survives the refused run
+    assert not (tmp_path / "s.lock").exists()
+
+
+# --- verify ----------------------------------------------------------------------------------------
+
+def test_verify_reports_a_truncated_shard_and_goes_on(tiny, tmp_path, capsys):
+    from extract.inspect import main as inspect_main
+    store = tmp_path / "s"
+    run(extract_cfg(tiny, store))
+    shard = next(p for p in (store / "features" / "hidden" / "c" / "0").rglob("*") if p.is_file())
+    shard.write_bytes(shard.read_bytes()[:300])
+    last = st.Store(store).layout.n_units - 1
+    g = st.zarr.open_group(str(store), mode="r+")
+    S = st.Store(store).layout.shard_tokens
+    g["logits/lse"][last * S:last * S + 4] = 1.0  # a second, later problem: still found
+    assert inspect_main([str(store), "--verify"]) == 1
+    out = capsys.readouterr().out
+    assert "PROBLEM unit 0: features/hidden unreadable" in out
+    assert f"PROBLEM unit {last}: logits/lse checksum" in out and "problem(s)" in out
+
+
+def test_verify_agrees_with_training_on_an_unfinalized_store(tiny, tmp_path, capsys):
+    from extract.inspect import main as inspect_main
+    store = tmp_path / "s"
+    run(extract_cfg(tiny, store))
+    g = st.zarr.open_group(str(store), mode="r+")  # killed after the last marker, before finalizing
+    g.attrs["dflash"] = {**g.attrs["dflash"], "complete": False}
+    with pytest.raises(st.StoreError, match="not complete"):
+        st.Store(store)
+    assert inspect_main([str(store), "--verify"]) == 1
+    out = capsys.readouterr().out
+    assert "every unit written, the store not finalized" in out and "rerun the same extract command" in out
+    assert "verify: OK" not in out
+    run(extract_cfg(tiny, store))  # the rerun finishes it
+    assert inspect_main([str(store), "--verify"]) == 0
