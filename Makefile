@@ -65,12 +65,14 @@ train: venv
 
 # Real speculative decoding with the target and an exported drafter: tau, speedup, exactness.
 eval: venv
-	$(BIN)/python -m train.speculative --drafter "$(DRAFTER)" --target "$(TARGET)" --data "$(DATA)" \
+	$(BIN)/python -m eval.speculative --drafter "$(DRAFTER)" --target "$(TARGET)" --data "$(DATA)" \
 		--prompts $(PROMPTS) --max-new $(MAX_NEW) --chat-template-kwargs '$(CHAT_TEMPLATE_KWARGS)'
 
 # Several drafter configs from one store, no re-extraction: a table and a PNG in $(OUT)/ablate.
 ablate: venv
-	$(BIN)/python -m train.ablate --store "$(STORE)" --out "$(OUT)/ablate" $(foreach g,$(GRID),--grid $(g)) \
+	$(BIN)/python -m eval.ablate --store "$(STORE)" --out "$(OUT)/ablate" $(foreach g,$(GRID),--grid $(g)) \
+		--target "$(TARGET)" --data "$(DATA)" --prompts $(PROMPTS) --max-new $(MAX_NEW) \
+		--chat-template-kwargs '$(CHAT_TEMPLATE_KWARGS)' \
 		$(DEMO_TRAIN) --max-steps 300 --no-progress $(TRAIN_ARGS)
 
 # The whole pipeline on the built-in default: target -> store -> drafter -> real decoding.
@@ -79,7 +81,7 @@ demo: venv build/tiny-target/tiny_training.json
 		--chat-template-kwargs '$(CHAT_TEMPLATE_KWARGS)' $(DEMO_EXTRACT) $(EXTRACT_ARGS)
 	$(BIN)/python -m extract.inspect "$(STORE)" --verify
 	$(BIN)/python -m train --store "$(STORE)" --out "$(OUT)" --gpus "$(GPUS)" $(DEMO_TRAIN) --resume $(TRAIN_ARGS)
-	$(BIN)/python -m train.speculative --drafter "$(OUT)/export" --target "$(TARGET)" --data "$(DATA)" \
+	$(BIN)/python -m eval.speculative --drafter "$(OUT)/export" --target "$(TARGET)" --data "$(DATA)" \
 		--prompts $(PROMPTS) --max-new $(MAX_NEW) --chat-template-kwargs '$(CHAT_TEMPLATE_KWARGS)'
 
 clean:

@@ -63,9 +63,8 @@ def main():
     numcodecs.blosc.set_nthreads(1)
     s = Store(a.store, require_complete=False)
     lay = s.layout
-    arr = s.array("features/hidden")
     n = min(a.tokens, lay.capacity)
-    raw_bits = arr[:n]
+    raw_bits = s.hidden_bits(0, n)
     if lay.precision != "bf16":
         raise SystemExit("codec_bench needs a bf16 store")
     used = raw_bits.reshape(n, -1).any(axis=1)  # skip the unused tail of a unit

@@ -22,14 +22,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from shapes import random_target, target_27b_config  # noqa: E402  (adds the repo to sys.path)
+from shapes import random_target, synthetic_manifest, target_27b_config  # noqa: E402  (adds the repo to sys.path)
 
-from extract.__main__ import write_plan
-from extract.data import Encoded
-from extract.features import forward_features, pad_batch
+from extract.plan import write_plan
+from shared.data import Encoded
+from shared.features import forward_features, pad_batch
 from extract.worker import Worker, plan_batches
 from shared import store as st
-from shared.config import ExtractConfig
+from extract.config import ExtractConfig
 from shared.target import default_layer_ids
 
 
@@ -90,9 +90,7 @@ def main():
                         max_len=a.seq_len, precision=a.precision, codec=a.codec, topk=16,
                         batch_tokens=a.batch_tokens, shard_tokens=max(a.shard_tokens, a.seq_len),
                         writers=a.writers, progress=False)
-    manifest = {"target": {"path": "in-memory", "hidden_size": tcfg.hidden_size,
-                           "num_hidden_layers": L, "vocab_size": tcfg.vocab_size},
-                "tokenizer": {"pad_token_id": 0}, "layer_ids": layer_ids, "data": {"files": []}}
+    manifest = synthetic_manifest(cfg, tcfg.hidden_size, L, tcfg.vocab_size, layer_ids, len(enc))
     write_plan(cfg, manifest, enc, len(layer_ids), tcfg.hidden_size)
     bs = batches(lengths, cfg)
     tensors = []

@@ -4,7 +4,7 @@
         --data build/corpus/chat.jsonl --prompts 8 --max-new 48            # the demo's pair
     python bench/spec_bench.py --shape 27b --prompts 2 --max-new 64        # timing path, random weights
 
-`--tiny`: the trained tiny target and an exported drafter through train.speculative.evaluate,
+`--tiny`: the trained tiny target and an exported drafter through eval.speculative.evaluate,
 on the GPU in bf16 and fp32 (and on the CPU for the same prompts when --cpu is given). `--shape
 27b`: a random Qwen3.6-27B-shaped target and a random 27B drafter built in memory (no
 checkpoint): tau means nothing there, the timings are the point (a verification forward of 16
@@ -22,7 +22,7 @@ import torch
 from shapes import drafter_27b_config, random_target, target_27b_config  # noqa: E402
 
 from train.model import DFlashDrafter
-from train.speculative import Target, decode_all, drafter_proposal, evaluate, greedy, speculative
+from eval.speculative import Target, decode_all, drafter_proposal, evaluate, greedy, speculative
 
 
 def tiny(a) -> list[dict]:
@@ -56,7 +56,9 @@ def shape_27b(a) -> dict:
         from shared.target import default_layer_ids
         dcfg.num_target_layers, dcfg.target_layer_ids = a.layers, default_layer_ids(a.layers, 5)
     torch.manual_seed(0)
-    drafter = DFlashDrafter(dcfg).to(device, dtype).eval()
+    from transformers import Qwen3Config
+    with torch.device(device):
+        drafter = DFlashDraftModel(Qwen3Config(**dcfg.to_hf())).to(dtype).eval()
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 248_000, (a.prompt_len,), generator=g).tolist() for _ in range(a.prompts)]
     # warm-up: kernels and autotuning for the shapes below

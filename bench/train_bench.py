@@ -163,10 +163,12 @@ def step(device, dcfg, S, A, modes, steps):
 def loader(device, dcfg, S, A, n_samples, workers, step_ms, tmpdir, precision="bf16", codec="zstd1"):
     section(f"loader: {n_samples} samples x 4 passes of {S} tokens, {len(dcfg.target_layer_ids)} layers x "
             f"{dcfg.hidden_size}, {workers} workers, {precision}/{codec}")
-    from extract.__main__ import write_plan, finalize
-    from extract.data import Encoded
+    from extract.plan import write_plan
+    from extract.run import finalize
+    from shapes import synthetic_manifest
+    from shared.data import Encoded
     from shared import store as st
-    from shared.config import ExtractConfig
+    from extract.config import ExtractConfig
     from train.loader import EpochPlan, RowDataset, RowSpec, make_loader
     store = Path(tmpdir) / "loader-store"
     shutil.rmtree(store, ignore_errors=True)
@@ -176,25 +178,18 @@ def loader(device, dcfg, S, A, n_samples, workers, step_ms, tmpdir, precision="b
     g = torch.Generator().manual_seed(0)
     enc = [Encoded(np.random.default_rng(i).integers(0, 1000, S).astype(np.int32), np.ones(S, np.uint8), 0, i)
            for i in range(n_samples)]
-    man = {"target": {"path": "none", "hidden_size": H, "num_hidden_layers": dcfg.num_target_layers,
-                      "vocab_size": dcfg.vocab_size}, "tokenizer": {}, "layer_ids": dcfg.target_layer_ids,
-           "data": {"files": [], "report": {"rows": n_samples, "truncated": 0, "skipped": {}}}}
+    man = synthetic_manifest(cfg, H, dcfg.num_target_layers, dcfg.vocab_size, dcfg.target_layer_ids, n_samples)
     write_plan(cfg, man, enc, L, H)
-    root = st.zarr.open_group(str(store), mode="r+")
-    lay = st.Layout(**root.attrs["dflash"]["layout"])
+    w = st.StoreWriter(store)
+    lay = w.layout
     t = time.perf_counter()
     for u in range(lay.n_units):
         # hidden-state-like values: random normals (compress worse than real features, see notes)
         h = (torch.randn(S, L, H, generator=g) * 2).bfloat16()
-        if precision == "fp8":
-            q, scale = st.fp8_encode(h)
-            feats = {"features/hidden": q.numpy(), "features/scale": scale.numpy()}
-        else:
-            feats = {"features/hidden": st.bf16_to_bits(h)}
-        arrays = {**feats,
-                  "logits/topk_idx": np.zeros((S, 16), np.int32), "logits/topk_logp": np.zeros((S, 16), np.float16),
-                  "logits/lse": np.zeros(S, np.float32)}
-        st.write_unit(root, store, u, arrays, {"samples": 1, "tokens": S, "dropped": [], "rank": 0})
+        z = torch.zeros(S, 16)
+        arrays = {k: v.numpy().view(np.uint16) if v.dtype == torch.int16 else v.numpy()
+                  for k, v in st.encode_features(precision, h, z.long(), z, z[:, 0]).items()}
+        st.write_unit(w, u, arrays, {"samples": 1, "tokens": S, "dropped": [], "rank": 0})
     write_s = time.perf_counter() - t
     finalize(cfg, write_s)
     raw = n_samples * S * L * H * 2
@@ -228,7 +223,7 @@ def loader(device, dcfg, S, A, n_samples, workers, step_ms, tmpdir, precision="b
 
 def online(device, dcfg, S, A, steps, target_layers):
     section("online vs offline: the same drafter step, with and without the target forward")
-    from extract.features import capture_layers
+    from shared.features import capture_layers
     free()
     tcfg = target_27b_config(target_layers) if dcfg.hidden_size == 5120 else None
     if tcfg is None:

@@ -23,8 +23,8 @@ def verify(path: str, progress: bool = True) -> list[str]:
     lay = s.layout
     problems = []
     try:
-        offsets, lengths = s.array("index/offset")[:], s.array("index/length")[:]
-        ok = s.array("index/ok")[:]
+        index = s.index()
+        offsets, lengths, ok = index["offset"], index["length"], index["ok"]
     except Exception as e:
         return [f"index: unreadable ({type(e).__name__}: {e}); re-extract the store"]
     units = offsets // lay.shard_tokens
@@ -40,11 +40,10 @@ def verify(path: str, progress: bool = True) -> list[str]:
         if u not in done:
             problems.append(f"unit {u}: not written")
             continue
-        sl = slice(u * lay.shard_tokens, (u + 1) * lay.shard_tokens)
         damaged = False
         for name, want in done[u]["crc32"].items():
             try:
-                got = st.crc(s.array(name)[sl])
+                got = st.crc(s.unit_array(name, u))
             except Exception as e:  # zarr's own checksum, a truncated shard, ...
                 problems.append(f"unit {u}: {name} unreadable ({type(e).__name__}: {e})")
                 damaged = True
@@ -53,12 +52,12 @@ def verify(path: str, progress: bool = True) -> list[str]:
                 problems.append(f"unit {u}: {name} checksum {got:08x} != {want:08x} written")
         members = np.nonzero((units == u) & (ok == 1))[0]
         if lay.precision == "bf16" and len(members) and not damaged:
-            h = st.bits_to_bf16(s.array("features/hidden")[sl])
+            h = s.unit_hidden(u)
             for i in members:
                 lo = offsets[i] - u * lay.shard_tokens
                 if not h[lo:lo + lengths[i]].float().isfinite().all():
                     problems.append(f"sample {i}: non-finite features")
-    if not s.manifest.get("complete"):
+    if not s.manifest.complete:
         left = lay.n_units - len(done)
         problems.append("extraction not finished (" + (f"{left} of {lay.n_units} units to write" if left else
                         "every unit written, the store not finalized") + "): training refuses it; rerun the "
@@ -68,10 +67,9 @@ def verify(path: str, progress: bool = True) -> list[str]:
 
 def describe(path: str) -> dict:
     s = st.Store(path, require_complete=False)
-    man = dict(s.manifest)
+    man = s.manifest.to_dict()
     man["target"] = {k: v for k, v in man["target"].items() if k != "config"}
-    done = st.done_units(path)
-    man["progress"] = {"units_done": len(done), "units": s.layout.n_units}
+    man["progress"] = {"units_done": len(st.done_units(path)), "units": s.layout.n_units}
     man["disk_bytes"] = s.disk_bytes()
     return man
 
@@ -101,10 +99,11 @@ def main(argv=None) -> int:
         print(f"layers     {info['layer_ids']}  ({info['layer_convention']})")
         print(f"features   {info['precision']}  codec {info['codec']}  top-k {info['topk']}  "
               f"max len {info['max_len']} ({info['too_long']})")
+        print(f"template   chat_template_kwargs {json.dumps(info['chat_template_kwargs'])}")
         print(f"layout     {lay['n_samples']:,} samples in {lay['n_units']} units of {lay['shard_tokens']:,} "
               f"tokens, chunks of {lay['chunk_tokens']} tokens")
         print(f"data       {info['data']['spec']}  ({len(info['data']['files'])} file(s))")
-        if "summary" in info:
+        if info.get("summary"):
             sm = info["summary"]
             print(f"summary    {sm['samples']:,} samples  {sm['tokens']:,} tokens  skipped {sm['skipped'] or 'none'}")
             print(f"disk       {info['disk_bytes'] / 2**20:,.1f} MiB  {sm['bytes_per_token']} B/token  "

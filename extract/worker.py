@@ -23,9 +23,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from extract.features import forward_features, pad_batch
+from shared.features import forward_features, pad_batch
 from shared import store as st
-from shared.config import ExtractConfig
+from extract.config import ExtractConfig
 from shared.target import load_target
 
 _STOP = object()
@@ -93,11 +93,12 @@ class Worker:
         self.cfg, self.rank, self.world, self.device = cfg, rank, world, device
         self.progress_q = progress_q
         self.model = model  # benchmarks pass a model built in memory; otherwise loaded from cfg.target
-        self.root = st.zarr.open_group(store=cfg.store, mode="r+")
-        man = self.root.attrs["dflash"]
-        self.layout = st.Layout(**man["layout"])
-        self.layer_ids = man["layer_ids"]
-        self.pad_id = man["tokenizer"]["pad_token_id"] or 0
+        self.writer = st.StoreWriter(cfg.store)
+        self.reader = st.Store(cfg.store, require_complete=False)
+        man = self.writer.manifest
+        self.layout = man.layout
+        self.layer_ids = man.layer_ids
+        self.pad_id = man.tokenizer.pad_token_id or 0
         self.error: BaseException | None = None
         self.collect_q: queue.Queue = queue.Queue()
         self.write_q: queue.Queue = queue.Queue()
@@ -137,7 +138,7 @@ class Worker:
         while (buf := self.write_q.get()) is not _STOP:
             info = {"samples": buf.samples, "tokens": buf.tokens, "dropped": buf.dropped,
                     "rank": self.rank, "seconds": round(time.time() - buf.started, 3)}
-            st.write_unit(self.root, self.cfg.store, buf.unit, buf.numpy(), info)
+            st.write_unit(self.writer, buf.unit, buf.numpy(), info)
             if self.progress_q is not None:
                 self.progress_q.put(("unit", buf.unit, buf.samples - len(buf.dropped), buf.tokens))
             self.pool.put(buf)
@@ -145,15 +146,13 @@ class Worker:
     # -- main loop -------------------------------------------------------------------------
     def run(self, units: list[int]):
         cfg, dev = self.cfg, self.device
-        offsets = self.root["index/offset"][:]
-        lengths = self.root["index/length"][:]
-        rows, files = self.root["index/row"][:], self.root["index/file"][:]
+        index = self.reader.index()
+        offsets, lengths, rows, files = index["offset"], index["length"], index["row"], index["file"]
         S = self.layout.shard_tokens
         unit_of = offsets // S
         dtype = {"auto": torch.bfloat16 if dev.type == "cuda" else torch.float32,
                  "bf16": torch.bfloat16, "fp32": torch.float32}[cfg.dtype]
         model = self.model if self.model is not None else load_target(cfg.target, dev, dtype)
-        ids_arr = self.root["tokens/input_ids"]
         cuda = dev.type == "cuda"
         copy_stream = torch.cuda.Stream(dev) if cuda else None
 
@@ -170,7 +169,7 @@ class Worker:
                 if len(members) == 0:
                     self.write_q.put(buf)
                     continue
-                unit_ids = ids_arr[u * S:(u + 1) * S]
+                unit_ids = self.reader.unit_tokens(u)
                 items = [(int(i), int(offsets[i]) - u * S, int(lengths[i])) for i in members]
                 for batch in plan_batches(items, cfg.batch_tokens, cfg.max_batch):
                     if self.error:
@@ -191,18 +190,12 @@ class Worker:
         hidden, idx, logp, lse, ok = forward_features(
             model, ids.to(dev, non_blocking=True), att.to(dev, non_blocking=True), ns, self.layer_ids,
             self.layout.topk, self.cfg.logit_chunk)
-        if self.layout.precision == "bf16":
-            feats = {"features/hidden": hidden.to(torch.bfloat16).view(torch.int16)}
-        else:
-            q, scale = st.fp8_encode(hidden)
-            feats = {"features/hidden": q, "features/scale": scale}
-        feats.update({"logits/topk_idx": idx.to(torch.int32), "logits/topk_logp": logp.to(torch.float16),
-                      "logits/lse": lse.float()})
+        feats = st.encode_features(self.layout.precision, hidden, idx, logp, lse)
         event, ok_host = None, ok
-        want = buf.arrays["features/hidden"].shape[1:]
-        if feats["features/hidden"].shape[1:] != want:  # copy_ would broadcast a wrong layer count silently
-            raise RuntimeError(f"features of shape {tuple(feats['features/hidden'].shape[1:])} for a store "
-                               f"of {tuple(want)}")
+        for name, t in feats.items():  # copy_ would broadcast a wrong layer count silently
+            if t.shape[1:] != buf.arrays[name].shape[1:]:
+                raise RuntimeError(f"{name} of shape {tuple(t.shape[1:])} for a store of "
+                                   f"{tuple(buf.arrays[name].shape[1:])}")
         ctx = torch.cuda.stream(copy_stream) if copy_stream is not None else contextlib.nullcontext()
         if copy_stream is not None:
             copy_stream.wait_stream(torch.cuda.current_stream(dev))

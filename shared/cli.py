@@ -6,6 +6,7 @@ parser/flag name come from the field's metadata (see `opt`)."""
 from __future__ import annotations
 
 import argparse
+import json
 import types
 from dataclasses import MISSING, field, fields
 from typing import Any, Callable, Literal, Union, get_args, get_origin, get_type_hints
@@ -84,3 +85,35 @@ def parser_for(cls, prog: str, doc: str | None) -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(ap, cls)
     return ap
+
+
+# --- parsers of option values shared by the stages -------------------------------------------
+
+def parse_gpus(spec: str | None) -> list[int]:
+    """"0,1" -> [0, 1]; "" -> [] (CPU). Checked against the GPUs that exist."""
+    if spec is None or str(spec).strip() == "":
+        return []
+    try:
+        ids = [int(x) for x in str(spec).split(",") if x.strip() != ""]
+    except ValueError:
+        raise ValueError(f"GPUS={spec!r}: expected a comma-separated list of GPU numbers, e.g. 0,1") from None
+    if len(set(ids)) != len(ids):
+        raise ValueError(f"GPUS={spec!r}: a GPU is listed twice")
+    import torch
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    bad = [i for i in ids if i < 0 or i >= n]
+    if bad:
+        raise ValueError(f"GPUS={spec!r}: GPU {bad} does not exist (this machine has {n} GPU"
+                         f"{'s' if n != 1 else ''}{': 0..' + str(n - 1) if n else ''})")
+    return ids
+
+
+def parse_json_object(spec: str) -> dict:
+    """'{"enable_thinking": false}' -> dict (the chat template's keyword arguments)."""
+    try:
+        value = json.loads(spec) if spec.strip() else {}
+    except json.JSONDecodeError as e:
+        raise ValueError(f"expected a JSON object, e.g. '{{\"enable_thinking\": false}}' ({e.msg})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"expected a JSON object, got {type(value).__name__}")
+    return value

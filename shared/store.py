@@ -21,7 +21,7 @@ Layout (one Zarr v3 group; token arrays are concatenated over samples, no paddin
 Units. The token axis is cut into units of `shard_tokens` tokens; every array's shard boundary
 is a unit boundary, and the planner never lets a sample straddle two units. A unit is written
 by exactly one worker in one call per array (whole shards: two writers never touch one shard,
-DESIGN.md section 8), then its marker file is renamed into `_progress/`. A unit without a
+docs/DESIGN.md, "Measured toolchain facts"), then its marker file is renamed into `_progress/`. A unit without a
 marker is rewritten from scratch on resume, so nothing half-written can look complete.
 """
 
@@ -32,7 +32,7 @@ import fcntl
 import json
 import os
 import zlib
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
@@ -118,8 +118,82 @@ INDEX_ARRAYS = {"index/offset": "int64", "index/length": "int32", "index/row": "
 FEATURE_ARRAYS = ("features/hidden", "features/scale", "logits/topk_idx", "logits/topk_logp", "logits/lse")
 
 
-def create(path: Path, layout: Layout, manifest: dict) -> zarr.Group:
-    """Create an empty store with every array sized for `layout` and the manifest attached."""
+@dataclass
+class TargetInfo:
+    path: str
+    model_type: str
+    num_hidden_layers: int
+    hidden_size: int
+    vocab_size: int
+    layer_types: list[str] | None
+    weights_fingerprint: str   # safetensors headers, sizes and sampled bytes (shared/target.py)
+    tensors_fingerprint: str   # every byte of embed_tokens and lm_head: what training uses
+    config: dict               # the target's text config
+
+
+@dataclass
+class TokenizerInfo:
+    fingerprint: str           # vocabulary and chat template
+    size: int
+    pad_token_id: int | None
+    eos_token_id: int | None
+    mask_token_id: int | None
+
+
+@dataclass
+class DataInfo:
+    spec: str                  # DATA as given
+    files: list[dict]          # [{"path", "bytes", "sha256"}] in index/file order
+    report: dict = field(default_factory=dict)  # rows read, kept, truncated, skipped by reason
+
+
+@dataclass
+class Manifest:
+    """What made a store, in its zarr.json attributes under "dflash": read by every stage, written
+    by extraction. to_dict/from_dict are the only places its keys are spelled."""
+    target: TargetInfo
+    tokenizer: TokenizerInfo
+    data: DataInfo
+    layer_ids: list[int]
+    layer_convention: str
+    precision: str
+    codec: str
+    topk: int
+    max_len: int
+    too_long: str
+    chat_template_kwargs: dict  # the chat template options serving must use too
+    run_key: dict               # the settings a resumed run must repeat
+    dtypes: dict = field(default_factory=dict)
+    layout: Layout | None = None
+    kind: str = "dflash-target-features"
+    created_at: str = ""
+    format_version: int = FORMAT_VERSION
+    complete: bool = False
+    summary: dict | None = None
+    completed_at: str | None = None
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict, where: str = "store") -> "Manifest":
+        if d.get("format_version") != FORMAT_VERSION:
+            raise StoreError(f"{where}: format version {d.get('format_version')}, this code reads "
+                             f"{FORMAT_VERSION} (version 2 added per-chunk checksums): re-extract it")
+        known = {f.name for f in fields(cls)}
+        kw = {k: v for k, v in d.items() if k in known}
+        try:
+            kw["target"], kw["tokenizer"] = TargetInfo(**d["target"]), TokenizerInfo(**d["tokenizer"])
+            kw["data"] = DataInfo(**d["data"])
+            kw["layout"] = Layout(**d["layout"]) if d.get("layout") else None
+            return cls(**kw)
+        except (KeyError, TypeError) as e:
+            raise StoreError(f"{where}: the manifest is not one this code wrote ({e})") from None
+
+
+def create(path: Path, manifest: Manifest) -> "StoreWriter":
+    """Create an empty store with every array sized for `manifest.layout`, the manifest attached."""
+    layout = manifest.layout
     root = zarr.open_group(store=str(path), mode="w", zarr_format=3)
     S = layout.shard_tokens
     for name, (shape, dtype) in layout.arrays().items():
@@ -136,10 +210,54 @@ def create(path: Path, layout: Layout, manifest: dict) -> zarr.Group:
         root.create_array(name, shape=(layout.n_samples,), dtype=dtype, chunks=(min(n, 1 << 16),),
                           shards=(min(n, 1 << 22),) if n > (1 << 16) else None,
                           compressors=(ZstdCodec(level=3), Crc32cCodec()), fill_value=0)
-    root.attrs["dflash"] = {**manifest, "format_version": FORMAT_VERSION, "layout": asdict(layout),
-                            "complete": False}
+    manifest.format_version, manifest.complete = FORMAT_VERSION, False
+    root.attrs["dflash"] = manifest.to_dict()
     (Path(path) / "_progress").mkdir(exist_ok=True)
-    return root
+    return StoreWriter(path, root)
+
+
+def read_manifest(path: str | Path) -> Manifest | None:
+    """The manifest of the store at path; None if path holds no zarr group with one."""
+    if not (Path(path) / "zarr.json").exists():
+        return None
+    man = zarr.open_group(store=str(path), mode="r").attrs.get("dflash")
+    return None if man is None else Manifest.from_dict(man, str(path))
+
+
+class StoreWriter:
+    """Every write to a store goes through here: the planner's tokens and index, the workers'
+    units (whole shards, then the marker), the finalizer's flags and manifest."""
+
+    def __init__(self, path: str | Path, root: zarr.Group | None = None):
+        self.path = Path(path)
+        self.root = root if root is not None else zarr.open_group(store=str(self.path), mode="r+")
+        self.manifest = Manifest.from_dict(self.root.attrs["dflash"], str(self.path))
+        self.layout: Layout = self.manifest.layout
+
+    def write_tokens(self, unit: int, ids: np.ndarray, mask: np.ndarray):
+        """One unit's token ids and loss mask: one whole shard per array."""
+        sl = slice(unit * self.layout.shard_tokens, (unit + 1) * self.layout.shard_tokens)
+        self.root["tokens/input_ids"][sl] = ids
+        self.root["tokens/loss_mask"][sl] = mask
+
+    def write_index(self, offsets, lengths, rows, files):
+        self.root["index/offset"][:] = np.asarray(offsets, dtype=np.int64)
+        self.root["index/length"][:] = np.asarray(lengths, dtype=np.int32)
+        self.root["index/row"][:] = np.asarray(rows, dtype=np.int64)
+        self.root["index/file"][:] = np.asarray(files, dtype=np.int32)
+        self.root["index/ok"][:] = np.ones(len(offsets), dtype=np.uint8)
+
+    def write_unit(self, unit: int, arrays: dict[str, np.ndarray], info: dict):
+        write_unit(self, unit, arrays, info)
+
+    def mark_dropped(self, samples: list[int]):
+        ok = self.root["index/ok"][:]
+        ok[np.asarray(samples, dtype=np.int64)] = 0
+        self.root["index/ok"][:] = ok
+
+    def finish(self, summary: dict, completed_at: str):
+        self.manifest.complete, self.manifest.summary, self.manifest.completed_at = True, summary, completed_at
+        self.root.attrs["dflash"] = self.manifest.to_dict()
 
 
 # --- dtype helpers --------------------------------------------------------------------------
@@ -164,6 +282,21 @@ def fp8_encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def fp8_decode(bits: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return (bits.view(torch.float8_e4m3fn).float() * scale.unsqueeze(-1)).to(torch.bfloat16)
+
+
+def encode_features(precision: str, hidden: torch.Tensor, topk_idx: torch.Tensor, topk_logp: torch.Tensor,
+                    lse: torch.Tensor) -> dict[str, torch.Tensor]:
+    """A batch's features in the store's dtypes, keyed by array, still on their device (so the
+    conversion runs there and only stored bytes travel): hidden (T, L, H) as bf16 bits or fp8 +
+    scale, top-k ids int32, log-probs float16, lse float32."""
+    if precision == "bf16":
+        out = {"features/hidden": hidden.to(torch.bfloat16).view(torch.int16)}
+    else:
+        q, scale = fp8_encode(hidden)
+        out = {"features/hidden": q, "features/scale": scale}
+    out.update({"logits/topk_idx": topk_idx.to(torch.int32), "logits/topk_logp": topk_logp.to(torch.float16),
+                "logits/lse": lse.float()})
+    return out
 
 
 def crc(a: np.ndarray) -> int:
@@ -222,18 +355,17 @@ def done_units(path: Path) -> dict[int, dict]:
     return out
 
 
-def write_unit(root: zarr.Group, path: Path, unit: int, arrays: dict[str, np.ndarray], info: dict):
+def write_unit(w: StoreWriter, unit: int, arrays: dict[str, np.ndarray], info: dict):
     """Write one unit's feature arrays (full shards) then mark it done atomically."""
-    layout = Layout(**root.attrs["dflash"]["layout"])
-    lo, hi = unit * layout.shard_tokens, (unit + 1) * layout.shard_tokens
+    lo, hi = unit * w.layout.shard_tokens, (unit + 1) * w.layout.shard_tokens
     checks = {}
     for name, data in arrays.items():
-        assert data.shape[0] == layout.shard_tokens, (name, data.shape)
-        root[name][lo:hi] = data
+        assert data.shape[0] == w.layout.shard_tokens, (name, data.shape)
+        w.root[name][lo:hi] = data
         checks[name] = crc(data)
     info = {**info, "unit": unit, "crc32": checks}
     # the marker appears only after every shard of the unit is written
-    atomic_write_text(marker_path(path, unit), json.dumps(info))
+    atomic_write_text(marker_path(w.path, unit), json.dumps(info))
 
 
 # --- reading --------------------------------------------------------------------------------
@@ -263,17 +395,13 @@ class Store:
         man = self.root.attrs.get("dflash")
         if man is None:
             raise StoreError(f"{self.path}: a zarr group but not a feature store (no 'dflash' manifest)")
-        if man.get("format_version") != FORMAT_VERSION:
-            raise StoreError(f"{self.path}: format version {man.get('format_version')}, this code reads "
-                             f"{FORMAT_VERSION} (version 2 added per-chunk checksums): re-extract it")
-        if require_complete and not man.get("complete"):
+        self.manifest = Manifest.from_dict(man, str(self.path))
+        self.layout: Layout = self.manifest.layout
+        if require_complete and not self.manifest.complete:
             n_done = len(list((self.path / "_progress").glob("unit-*.json")))
-            raise StoreError(f"{self.path}: extraction is not complete ({n_done} of "
-                             f"{man['layout']['n_units']} units written); rerun the same extract "
-                             f"command to finish it")
-        self.manifest = man
-        self.layout = Layout(**man["layout"])
-        self.layer_ids: list[int] = list(man["layer_ids"])
+            raise StoreError(f"{self.path}: extraction is not complete ({n_done} of {self.layout.n_units} units "
+                             f"written); rerun the same extract command to finish it")
+        self.layer_ids: list[int] = list(self.manifest.layer_ids)
         self._arr = {}
         self._index_cache: dict[tuple[str, int], np.ndarray] = {}
 
@@ -308,7 +436,7 @@ class Store:
     def describe_sample(self, i: int, with_store: bool = True) -> str:
         """"STORE: unit U, sample I (file F row R)": what an error about one sample names."""
         try:
-            files = self.manifest["data"]["files"]
+            files = self.manifest.data.files
             src = f" ({files[self._index('index/file', i)]['path']} row {self._index('index/row', i)})"
             unit = f"unit {self.unit_of(i)}, "
         except Exception:  # the index itself is damaged: name what is known
@@ -360,8 +488,36 @@ class Store:
         return sample
 
     def lengths(self) -> np.ndarray:
-        """All sample lengths: O(N) and read on demand only (the loader buckets by it)."""
+        """All sample lengths: O(N) and read on demand only (the loader packs by them)."""
         return self.array("index/length")[:]
+
+    def index(self) -> dict[str, np.ndarray]:
+        """The whole index (offset, length, row, file, ok per sample): O(N), for the planner's
+        workers and verify, never for opening a store."""
+        return {name.split("/")[1]: self.array(name)[:] for name in INDEX_ARRAYS}
+
+    def unit_tokens(self, unit: int) -> np.ndarray:
+        S = self.layout.shard_tokens
+        return self.array("tokens/input_ids")[unit * S:(unit + 1) * S]
+
+    def unit_array(self, name: str, unit: int) -> np.ndarray:
+        """One unit of a token-axis array, as stored (verify's checksums)."""
+        S = self.layout.shard_tokens
+        return self.array(name)[unit * S:(unit + 1) * S]
+
+    def hidden_bits(self, lo: int, hi: int) -> np.ndarray:
+        """Stored hidden-state bits of token rows lo:hi, undecoded (codec benchmarks)."""
+        return self.array("features/hidden")[lo:hi]
+
+    def unit_hidden(self, unit: int) -> torch.Tensor | None:
+        """One unit's hidden states as bf16 (bf16 stores; None for fp8)."""
+        return bits_to_bf16(self.unit_array("features/hidden", unit)) if self.layout.precision == "bf16" else None
+
+    def ok_mask(self) -> np.ndarray:
+        return self.array("index/ok")[:].astype(bool)
+
+    def feature_arrays(self) -> tuple[str, ...]:
+        return tuple(n for n in self.layout.arrays() if n in FEATURE_ARRAYS)
 
     def disk_bytes(self) -> int:
         return sum(f.stat().st_size for f in self.path.rglob("*") if f.is_file())

@@ -1,13 +1,15 @@
 """Target checkpoints: validation, loading, the layer-id convention, fingerprints, and loading
 only `embed_tokens` / `lm_head` for the trainer.
 
-Layer-id convention (DESIGN.md section 2): layer id i is the output of decoder layer i, i.e.
+Layer-id convention (docs/DESIGN.md, "Layer ids"): layer id i is the output of decoder layer i, i.e.
 HF `hidden_states[i + 1]`. vLLM numbers the same layers one higher.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib
+import importlib.util
 import json
 import struct
 import sys
@@ -59,15 +61,32 @@ def read_config(path: str | Path) -> dict:
                                                                       text.get("tie_word_embeddings", False))}
 
 
+_QWEN35_MODELING = "transformers.models.qwen3_5.modeling_qwen3_5"
+_bound_to_torch = False
+
+
 def use_torch_kernels_on_cpu():
     """Keep transformers off fla on CPU. With fla and triton installed, transformers binds fla's
     Triton kernels when the Qwen3.5 modeling module is imported, whatever the device, and every
-    CPU forward fails ("0 active drivers"). Hiding fla before that import binds the torch path."""
-    mod = sys.modules.get("transformers.models.qwen3_5.modeling_qwen3_5")
-    if mod is not None and "fla" in sys.modules and sys.modules["fla"] is not None:
-        raise TargetError("transformers' Qwen3.5 modeling was already imported with fla kernels in "
-                          "this process; a CPU forward would fail. Load the target on CPU first.")
-    sys.modules["fla"] = None  # makes `import fla` raise ImportError -> torch fallback
+    CPU forward fails ("0 active drivers"). So that module is imported with fla hidden, and fla
+    is put back right after: nothing else in the process loses it."""
+    global _bound_to_torch
+    if _bound_to_torch:
+        return
+    if _QWEN35_MODELING in sys.modules:
+        if importlib.util.find_spec("fla") is not None:
+            raise TargetError("transformers' Qwen3.5 modeling was already imported with fla kernels in "
+                              "this process; a CPU forward would fail. Load the target on CPU first.")
+        _bound_to_torch = True
+        return
+    saved = {k: sys.modules.pop(k) for k in list(sys.modules) if k == "fla" or k.startswith("fla.")}
+    sys.modules["fla"] = None  # `import fla` raises ImportError -> transformers binds the torch path
+    try:
+        importlib.import_module(_QWEN35_MODELING)
+    finally:
+        del sys.modules["fla"]
+        sys.modules.update(saved)
+    _bound_to_torch = True
 
 
 def load_tokenizer(path: str | Path):

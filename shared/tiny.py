@@ -162,7 +162,7 @@ def train_target(path: Path, rows: list[dict], steps: int = 250, seq_len: int = 
     from shared.progress import progress_bar
 
     from shared.target import load_target, load_tokenizer
-    from extract.data import Encoder, RowError
+    from shared.data import Encoder, RowError
 
     tok = load_tokenizer(path)
     enc = Encoder(tok, seq_len, "truncate")
@@ -181,7 +181,7 @@ def train_target(path: Path, rows: list[dict], steps: int = 250, seq_len: int = 
     g = torch.Generator().manual_seed(seed)
 
     def batch_of(items):
-        from extract.features import pad_batch
+        from shared.features import pad_batch
         ids, att = pad_batch(items, tok.pad_token_id)
         labels = ids.masked_fill(att == 0, -100)
         return ids, att, labels

@@ -33,7 +33,7 @@ def tiny(tmp_path_factory) -> dict:
 
 
 def extract_cfg(tiny, store: Path, **kw):
-    from shared.config import ExtractConfig
+    from extract.config import ExtractConfig
     base = dict(data=str(tiny["corpus"]), target=str(tiny["target"]), store=str(store), layer_ids=[0, 1, 3],
                 max_len=256, shard_tokens=1024, chunk_tokens=64, batch_tokens=1024, topk=8, progress=False)
     base.update(kw)

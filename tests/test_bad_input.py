@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from conftest import extract_cfg, read_all
-from extract.__main__ import ExtractError, main, run
-from extract.data import Encoder, encode_all
+from extract.__main__ import main
+from extract.run import ExtractError, run
+from shared.data import Encoder, encode_all
 from shared import store as st
 from shared.target import TargetError
 
@@ -83,7 +84,7 @@ def test_a_template_without_tool_support_is_refused_not_dropped(tiny):
                          "'<|im_end|>\\n' }}{%- endfor %}")
     row = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "",
                                                            "tool_calls": [{"name": "lookup", "arguments": {}}]}]}
-    from extract.data import RowError
+    from shared.data import RowError
     with pytest.raises(RowError, match="does not render tool calls") as e:
         Encoder(tok, 512, "truncate").encode(row, "f line 1")
     assert e.value.reason == "template_error"
@@ -104,7 +105,7 @@ def test_chat_template_kwargs_render_mask_manifest_and_resume(tiny, tmp_path):
             "--no-progress"]
     assert main(args + ["--chat-template-kwargs", '{"enable_thinking": false}']) == 0
     s = st.Store(store)
-    assert s.manifest["chat_template_kwargs"] == {"enable_thinking": False}
+    assert s.manifest.chat_template_kwargs == {"enable_thinking": False}
     ids, mask = s.tokens(0)
     assert "<think>\n\n</think>" in tok.decode(ids)
     with pytest.raises(ExtractError, match="chat_template_kwargs: store has {'enable_thinking': False}, asked {}"):
@@ -130,7 +131,7 @@ def test_resume_refusal_names_the_changed_file_and_both_hashes(tiny, tmp_path):
     shutil.copy(tiny["corpus"], data)
     store = tmp_path / "s"
     run(extract_cfg(tiny, store, data=str(data), layer_ids=[0], topk=2))
-    old = st.Store(store).manifest["data"]["files"][0]["sha256"]
+    old = st.Store(store).manifest.data.files[0]["sha256"]
     with data.open("a") as f:
         f.write(json.dumps(CHAT) + "\n")
     import hashlib
@@ -167,7 +168,7 @@ def test_store_that_is_a_regular_file_is_refused(tiny, tmp_path):
 
 
 def test_free_space_estimate_refuses_and_can_be_overridden(tiny, tmp_path, monkeypatch, capsys):
-    import extract.__main__ as ex
+    import extract.run as ex
     real = shutil.disk_usage
     monkeypatch.setattr(ex.shutil, "disk_usage", lambda p: real(p)._replace(free=20_000))
     store = tmp_path / "s"

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from extract.data import DataError, Encoder, RowError, encode_all, resolve
+from shared.data import DataError, Encoder, RowError, encode_all, resolve
 
 
 def write_jsonl(path, rows):

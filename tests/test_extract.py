@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from conftest import extract_cfg, read_all
-from extract.__main__ import ExtractError, assign_units, run
-from extract.features import forward_features
+from extract.plan import assign_units
+from extract.run import ExtractError, run
+from shared.features import forward_features
 from shared import store as st
 from shared.target import load_target
 
@@ -75,7 +76,7 @@ def test_fp8_within_documented_error(tiny, reference, tmp_path):
     store = tmp_path / "fp8"
     run(extract_cfg(tiny, store, max_batch=1, precision="fp8"))
     a, b = st.Store(reference[0]), st.Store(store)
-    assert b.manifest["precision"] == "fp8"
+    assert b.manifest.precision == "fp8"
     for i in (0, 3):
         x, y = a.read(i).hidden.float(), b.read(i).hidden
         assert y.dtype == torch.bfloat16
@@ -151,7 +152,7 @@ def test_interrupted_planning_leaves_no_store(tiny, tmp_path):
     partial.mkdir()
     (partial / "junk").write_text("half a plan")
     run(extract_cfg(tiny, store))
-    assert not partial.exists() and st.Store(store).manifest["complete"]
+    assert not partial.exists() and st.Store(store).manifest.complete
 
 
 def test_resume_with_other_settings_refuses_and_leaves_store_intact(tiny, reference, tmp_path):
@@ -216,9 +217,12 @@ def test_opening_a_store_reads_no_per_sample_data(tmp_path, monkeypatch):
     lay = st.Layout(n_layers=2, hidden=8, topk=2, precision="bf16", codec="zstd1", shard_tokens=1024,
                     chunk_tokens=64, n_units=1, n_samples=10_000_000)
     path = tmp_path / "big"
-    st.create(path, lay, {"layer_ids": [0, 1], "complete": True})
-    root = st.zarr.open_group(str(path), mode="r+")
-    root.attrs["dflash"] = {**root.attrs["dflash"], "complete": True}
+    man = st.Manifest(
+        target=st.TargetInfo("t", "qwen3_5_text", 4, 8, 16, None, "", "", {}),
+        tokenizer=st.TokenizerInfo("", 16, 0, None, None), data=st.DataInfo("d", []), layer_ids=[0, 1],
+        layer_convention="", precision="bf16", codec="zstd1", topk=2, max_len=1024, too_long="truncate",
+        chat_template_kwargs={}, run_key={}, layout=lay)
+    st.create(path, man).finish({}, "now")
     reads = []
     real = st.Store.array
 
@@ -246,7 +250,7 @@ def test_plain_qwen3_target(tiny, tmp_path):
     store = tmp_path / "store"
     run(extract_cfg(tiny, store, target=str(path), layer_ids=[0, 2], max_batch=1))
     s = st.Store(store)
-    assert s.manifest["target"]["model_type"] == "qwen3" and s.layout.n_layers == 2
+    assert s.manifest.target.model_type == "qwen3" and s.layout.n_layers == 2
     model = load_target(path, torch.device("cpu"), torch.float32)
     x = s.read(4)
     ids = x.input_ids[None]
@@ -264,6 +268,6 @@ def test_wrong_layer_count_is_an_error_not_a_broadcast(tiny, tmp_path, monkeypat
         return (hidden[:, :1], *rest)
 
     monkeypatch.setattr(w, "forward_features", one_layer)
-    with pytest.raises(RuntimeError, match=r"features of shape \(1, 64\) for a store of \(3, 64\)"):
+    with pytest.raises(RuntimeError, match=r"features/hidden of shape \(1, 64\) for a store of \(3, 64\)"):
         run(extract_cfg(tiny, tmp_path / "s"))
     assert not st.done_units(tmp_path / "s")

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import extract_cfg
-from extract.__main__ import run as extract_run
+from extract.run import run as extract_run
 from train.checkpoint import TrainingError
 from train.config import ConfigError, DrafterConfig, TrainConfig
 
@@ -111,7 +111,7 @@ def test_automodel_route_gives_the_trainers_outputs(tiny, tmp_path, causal):
     for p in ours.parameters():  # exactly representable in bf16, so the export loses nothing
         p.data = p.data.bfloat16().float()
     out = export(ours, tmp_path / "export")
-    assert (out / "dflash.py").read_text() == (Path(__file__).parents[1] / "train" / "dflash.py").read_text()
+    assert (out / "dflash.py").read_text() == (Path(__file__).parents[1] / "shared" / "dflash.py").read_text()
     hf, info = AutoModel.from_pretrained(str(out), trust_remote_code=True, dtype=torch.float32,
                                          output_loading_info=True)
     assert type(hf).__name__ == "DFlashDraftModel"
@@ -237,7 +237,7 @@ def test_another_checkpoint_with_the_same_shapes_is_refused(store, draft, tiny, 
         train(tcfg(store, draft, tmp_path / "o", target=str(other)))
     msg = str(e.value)
     from shared.store import Store
-    want = Store(store).manifest["target"]["tensors_fingerprint"]
+    want = Store(store).manifest.target.tensors_fingerprint
     assert "embed_tokens/lm_head fingerprint sha256:" in msg and want in msg and "--allow-other-target" in msg
     res = train(tcfg(store, draft, tmp_path / "o2", target=str(other), allow_other_target=True, max_steps=2))
     assert res["step"] == 2

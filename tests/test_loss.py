@@ -34,6 +34,7 @@ def naive(b, logits, block, gamma, labels):
     total, wsum = 0.0, 0.0
     live = torch.zeros(block)
     hit = torch.zeros(block)
+    hit_label = torch.zeros(block)
     for r in range(B):
         for j in range(A):
             a = int(b["anchors"][r, j])
@@ -44,19 +45,20 @@ def naive(b, logits, block, gamma, labels):
                 w = math.exp(-(k - 1) / gamma)
                 lg = logits[r, j * block + k]
                 choice = int(b["argmax"][r, t - 1])
+                y = int(b["input_ids"][r, t]) if labels in ("data", "distill") else choice
+                hit_label[k] += float(int(lg.argmax()) == y)
                 if labels == "distill":
                     p = b["topk_logp"][r, t - 1].exp()
                     logq = lg.log_softmax(-1)
                     q_top = logq[b["topk_idx"][r, t - 1]]
                     ce = -(p * q_top).sum() - (1 - p.sum()) * torch.log(1 - q_top.exp().sum())
                 else:
-                    y = int(b["input_ids"][r, t]) if labels == "data" else choice
                     ce = F.cross_entropy(lg[None], torch.tensor([y]))
                 total += w * float(ce)
                 wsum += w
                 live[k] += 1
                 hit[k] += float(int(lg.argmax()) == choice)
-    return total, wsum, live, hit
+    return total, wsum, live, hit, hit_label
 
 
 def test_loss_and_stats_match_naive_loop():
@@ -70,11 +72,14 @@ def test_loss_and_stats_match_naive_loop():
     for labels in ("data", "argmax", "distill"):
         tg = slot_targets(b, block, gamma, labels)
         total, pred = chunked_loss(hidden, head, tg, chunk=7)  # chunk not dividing the rows
-        want_total, want_w, live, hit = naive(b, logits, block, gamma, labels)
+        want_total, want_w, live, hit, hit_label = naive(b, logits, block, gamma, labels)
         assert abs(float(total) - want_total) < 1e-4 * max(1.0, want_total), labels
         assert abs(float(tg["weight"].sum()) - want_w) < 1e-5
         st = slot_stats(pred, tg, block)
         assert torch.equal(st[0], live) and torch.equal(st[2], hit), labels
+        assert torch.equal(st[1], hit_label), labels  # against the labels, not the target's choice
+        if labels == "data":
+            assert not torch.equal(hit_label, hit)  # the two rows differ here, so a swap is caught
 
 
 def test_chunked_loss_gradient_equals_unchunked():
@@ -94,6 +99,7 @@ def test_acceptance_length_hand_worked():
     assert acceptance_length([0.0] * 15) == 1.0
     # 1 + 0.5 + 0.5*0.5 + 0.5*0.5*0 = 1.75
     assert abs(acceptance_length([0.5, 0.5, 0.0, 1.0]) - 1.75) < 1e-12
-    st = torch.tensor([[0, 4, 4, 2], [0, 0, 0, 0], [0, 2, 2, 2]], dtype=torch.float32)
+    st = torch.tensor([[0, 4, 4, 2], [0, 1, 3, 2], [0, 2, 2, 2]], dtype=torch.float32)
     m = metrics_from_stats(st)
     assert m["acc"] == [0.5, 0.5, 1.0] and abs(m["tau"] - (1 + 0.5 + 0.25 + 0.25)) < 1e-6
+    assert m["acc_label"] == [0.25, 0.75, 1.0]

@@ -7,10 +7,19 @@ import random
 import pytest
 import torch
 
+from eval.speculative import Target, accept_length, drafter_proposal, greedy, load_drafter, speculative, summarize
 from train.config import DrafterConfig
+from train.export import export
 from train.loss import accepted_per_block, slot_targets
 from train.model import DFlashDrafter
-from train.speculative import Target, accept_length, drafter_proposal, greedy, speculative, summarize
+
+
+def exported(drafter: DFlashDrafter, path) -> "DFlashDraftModel":  # noqa: F821
+    """The trainer's drafter as evaluation loads it: exported (bf16), then read back through the
+    export's own modeling file. Weights are rounded to bf16 first so both hold the same values."""
+    for p in drafter.parameters():
+        p.data = p.data.bfloat16().float()
+    return load_drafter(export(drafter, path))
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +74,7 @@ def test_partial_accepts_roll_back_deltanet_state(tiny, target):
 
 def test_without_rollback_the_output_would_differ(tiny, target, monkeypatch):
     """The rollback matters: skipping the snapshot restore corrupts the hybrid state."""
-    import train.speculative as sp
+    import eval.speculative as sp
     monkeypatch.setattr(sp.copy, "deepcopy", lambda c: c)  # "snapshot" is the live cache
     plain, spec_t = Target(target, []), Target(target, [0])
     p = prompts(tiny, 1)[0]
@@ -74,7 +83,7 @@ def test_without_rollback_the_output_would_differ(tiny, target, monkeypatch):
     assert speculative(spec_t, wrong, list(p), 30, eos=None).tokens != ref.tokens
 
 
-def test_real_drafter_output_equals_greedy(tiny, target):
+def test_real_drafter_output_equals_greedy(tiny, target, tmp_path):
     cfg = DrafterConfig(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
                         intermediate_size=128, num_hidden_layers=2, vocab_size=512, num_target_layers=4,
                         target_layer_ids=[0, 3], mask_token_id=3, block_size=8,
@@ -82,21 +91,24 @@ def test_real_drafter_output_equals_greedy(tiny, target):
     torch.manual_seed(0)
     drafter = DFlashDrafter(cfg).eval()
     embed, head = target.get_input_embeddings().weight, target.lm_head.weight
-    propose = drafter_proposal(drafter, embed, head)
+    propose = drafter_proposal(exported(drafter, tmp_path / "export"), embed, head)
     for p in prompts(tiny):
         ref = greedy(Target(target, []), list(p), 32, eos=None)
         s = speculative(Target(target, [0, 3]), propose, list(p), 32, eos=None)
         assert s.tokens == ref.tokens
 
 
-def test_offline_estimate_equals_real_acceptance(tiny, target):
+def test_offline_estimate_equals_real_acceptance(tiny, target, tmp_path):
     """With the target's own greedy continuation as the data, the training-time estimate at the
     anchors decoding used gives each block's real committed length."""
-    from extract.features import forward_features
+    from shared.features import forward_features
     torch.manual_seed(1)
     cfg = DrafterConfig(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-                        intermediate_size=128, num_hidden_layers=1, vocab_size=512, num_target_layers=4,
-                        target_layer_ids=[0, 1, 3], mask_token_id=3, block_size=4)
+                        intermediate_size=128, num_hidden_layers=2, vocab_size=512, num_target_layers=4,
+                        target_layer_ids=[0, 1, 3], mask_token_id=3, block_size=4,
+                        # a causal sliding layer whose window (3) is shorter than the block: the
+                        # training mask and the serving mask must agree on it too
+                        layer_types=["sliding_attention", "full_attention"], sliding_window=3)
     drafter = DFlashDrafter(cfg).eval()
     # A few training steps on the target's own choices, so that blocks of several lengths occur.
     embed, head = target.get_input_embeddings().weight, target.lm_head.weight
@@ -118,7 +130,10 @@ def test_offline_estimate_equals_real_acceptance(tiny, target):
         opt.step()
         opt.zero_grad()
     drafter.eval()
-    real = speculative(Target(target, [0, 1, 3]), drafter_proposal(drafter, embed, head), list(p), 48, eos=None)
+    # decoding runs the export through its own modeling file (one block per step, the serving
+    # mask); the estimate runs the trainer's drafter with the training mask at the same anchors
+    served = exported(drafter, tmp_path / "export")
+    real = speculative(Target(target, [0, 1, 3]), drafter_proposal(served, embed, head), list(p), 48, eos=None)
     assert real.tokens == ref.tokens
     anchors = torch.tensor([real.anchors])
     b = dict(batch, anchors=anchors, anchor_valid=torch.ones_like(anchors, dtype=torch.bool))

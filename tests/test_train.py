@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import extract_cfg
-from extract.__main__ import run as extract_run
+from extract.run import run as extract_run
 from train.config import ConfigError, DrafterConfig, TrainConfig
 
 REPO = Path(__file__).resolve().parents[1]
@@ -171,7 +171,7 @@ def test_export_reload_gives_identical_logits(store, draft, tmp_path):
     s = Store(store)
     rows = EpochPlan(s, 256, 0, 0, 1).rows(0)
     batch = {k: v[None] for k, v in RowDataset(str(store), rows, RowSpec((0, 3), 256, 16, 0), 0)[0].items()}
-    embed, head = load_embed_and_head(s.manifest["target"]["path"])
+    embed, head = load_embed_and_head(s.manifest.target.path)
     with torch.no_grad():
         a = forward_loss(ref, embed, head, batch, labels="data", gamma=7, loss_chunk=64)
         b = forward_loss(got, embed, head, batch, labels="data", gamma=7, loss_chunk=64)

@@ -1,7 +1,7 @@
 """Attention backends for the drafter, all fed from train.mask's one mask definition.
 
 - flex: flex_attention with a BlockMask (GPU default). With `--compile attention` only this call
-  is compiled (the fused kernel; eager flex materialises the score matrix, DESIGN.md section 5).
+  is compiled (the fused kernel; eager flex materialises the score matrix, docs/DESIGN.md, "Selective compilation").
 - sdpa: scaled_dot_product_attention with the dense boolean mask (CPU, where flex_attention has
   no backward; also the reference the flex path is tested against).
 """

@@ -14,9 +14,10 @@ from pathlib import Path
 from typing import Literal
 
 from shared.cli import opt
-from shared.config import parse_gpus
+from shared.cli import parse_gpus
 from shared.target import default_layer_ids
-from train.dflash import layer_mask
+from shared.dflash import layer_mask
+from shared.store import Manifest
 
 # Qwen3 config fields that carry no meaning for the drafter's math but appear in public configs.
 PASSTHROUGH = {"architectures", "model_type", "torch_dtype", "dtype", "transformers_version",
@@ -79,7 +80,7 @@ class DrafterConfig:
 
     # -- attention per layer, as the engines resolve it --------------------------------------
     def layer_mask(self, i: int) -> tuple[bool, int | None]:
-        """(causal, window) of layer i, resolved as the engines resolve it (train/dflash.py)."""
+        """(causal, window) of layer i, resolved as the engines resolve it (shared/dflash.py)."""
         return layer_mask(self, i)
 
     def mask_kinds(self) -> set[tuple[bool, int | None]]:
@@ -187,22 +188,22 @@ class DrafterConfig:
             raise ConfigError(f"drafter config {p}: invalid JSON ({e})") from None
 
     @classmethod
-    def default_for(cls, manifest: dict, num_layers: int = 5, block_size: int = 16) -> "DrafterConfig":
+    def default_for(cls, manifest: Manifest, num_layers: int = 5, block_size: int = 16) -> "DrafterConfig":
         """DFlash defaults derived from the store's target: same hidden size, the target's heads,
         head_dim at most 128, its intermediate size, DFlash's default layers for num_layers."""
-        t = manifest["target"]
-        tc = t["config"]
-        mask = manifest["tokenizer"].get("mask_token_id")
+        t = manifest.target
+        tc = t.config
+        mask = manifest.tokenizer.mask_token_id
         if mask is None:
             raise ConfigError("the target tokenizer has no mask token: give a drafter config with "
                               "dflash_config.mask_token_id (DRAFT=...)")
-        head_dim = min(int(tc.get("head_dim") or t["hidden_size"] // tc["num_attention_heads"]), 128)
-        return cls(hidden_size=t["hidden_size"], num_attention_heads=tc["num_attention_heads"],
+        head_dim = min(int(tc.get("head_dim") or t.hidden_size // tc["num_attention_heads"]), 128)
+        return cls(hidden_size=t.hidden_size, num_attention_heads=tc["num_attention_heads"],
                    num_key_value_heads=tc.get("num_key_value_heads", tc["num_attention_heads"]),
                    head_dim=head_dim, intermediate_size=tc["intermediate_size"],
-                   num_hidden_layers=num_layers, vocab_size=t["vocab_size"],
-                   num_target_layers=t["num_hidden_layers"],
-                   target_layer_ids=default_layer_ids(t["num_hidden_layers"], num_layers),
+                   num_hidden_layers=num_layers, vocab_size=t.vocab_size,
+                   num_target_layers=t.num_hidden_layers,
+                   target_layer_ids=default_layer_ids(t.num_hidden_layers, num_layers),
                    mask_token_id=int(mask), block_size=block_size,
                    rms_norm_eps=tc.get("rms_norm_eps", 1e-6),
                    max_position_embeddings=int(tc.get("max_position_embeddings") or 32768))

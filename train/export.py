@@ -2,7 +2,7 @@
 
 config.json: a Qwen3 config plus `block_size`, `num_target_layers`, `dflash_config:
 {target_layer_ids, mask_token_id, block_size[, causal]}`, `layer_types`, `sliding_window`,
-`architectures: ["DFlashDraftModel"]` and `auto_map` -> dflash.py (train/dflash.py, copied:
+`architectures: ["DFlashDraftModel"]` and `auto_map` -> dflash.py (shared/dflash.py, copied:
 `AutoModel.from_pretrained(dir, trust_remote_code=True)` loads it). model.safetensors:
 `layers.{i}.self_attn.{q,k,v,o}_proj.weight`, ..., `fc.weight`, `hidden_norm.weight`,
 `norm.weight` (docs/DESIGN.md, "The drafter"), in bf16. Non-finite weights are never exported.
@@ -21,11 +21,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+import shared.dflash as shared_dflash
 from train.checkpoint import assert_finite
 from train.config import DrafterConfig
 from train.model import DFlashDrafter
 
-MODELING_FILE = Path(__file__).with_name("dflash.py")
+MODELING_FILE = Path(shared_dflash.__file__)  # imports only torch and transformers: shipped as is
 
 
 def export(model: DFlashDrafter, out: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:

@@ -40,7 +40,7 @@ class EpochPlan:
 
     def __init__(self, store: Store, seq_len: int, seed: int, rank: int, world: int, exclude=()):
         self.lengths = store.lengths()  # O(N) small read; opening the store itself reads nothing
-        ok = store.array("index/ok")[:].astype(bool)
+        ok = store.ok_mask()
         self.samples = np.setdiff1d(np.nonzero(ok)[0], np.asarray(sorted(exclude), dtype=np.int64))
         self.seq_len, self.seed, self.rank, self.world = seq_len, seed, rank, world
 

@@ -66,7 +66,7 @@ def _train(cfg: TrainConfig, rank: int, world: int, device: torch.device) -> dic
     except StoreError as e:
         raise ConfigError(str(e)) from None
     dcfg = resolve_config(cfg, store)
-    target = cfg.target or store.manifest["target"]["path"]
+    target = cfg.target or store.manifest.target.path
     embed, head = load_embed_and_head(target)
     check_store(store, dcfg, embed, head, target, cfg.allow_other_target)
     cuda = device.type == "cuda"

@@ -1,4 +1,4 @@
-"""Slot targets, the decayed loss and the metrics people watch (DESIGN.md section 4.4-4.6)."""
+"""Slot targets, the decayed loss and the metrics people watch (docs/DESIGN.md, "The training step")."""
 
 from __future__ import annotations
 

@@ -22,7 +22,7 @@ import torch
 
 
 def eligible_positions(loss_mask: torch.Tensor, doc: torch.Tensor) -> torch.Tensor:
-    """Positions p with loss at p and p+1 in the same document (DESIGN.md section 4.1)."""
+    """Positions p with loss at p and p+1 in the same document (docs/DESIGN.md, "The training step")."""
     ok = loss_mask[:-1].bool() & loss_mask[1:].bool() & (doc[:-1] == doc[1:]) & (doc[:-1] >= 0)
     return torch.nonzero(ok).flatten()
 

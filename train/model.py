@@ -1,4 +1,4 @@
-"""The trainer's DFlash drafter: the layers of train/dflash.py (the file every export ships)
+"""The trainer's DFlash drafter: the layers of shared/dflash.py (the file every export ships)
 with the attention backend chosen for training (flex, compiled flex, or SDPA). Parameter names
 match the public checkpoints, so export is a plain state_dict."""
 
@@ -8,7 +8,7 @@ import torch.nn as nn
 
 from train.attention import attend
 from train.config import DrafterConfig
-from train.dflash import DFlashStack
+from shared.dflash import DFlashStack
 
 
 class DFlashDrafter(nn.Module, DFlashStack):

@@ -2,15 +2,15 @@
 replaces). Used for the parity check (offline == online training) and the speed comparison.
 
 The rows the loader packs are split back into their documents and each document runs through
-the target on its own (packing by position ids is wrong for DeltaNet layers, DESIGN.md section
-8); the captured layers are rounded to bf16, exactly what the store holds.
+the target on its own (packing by position ids is wrong for DeltaNet layers, docs/DESIGN.md,
+"Measured toolchain facts"); the captured layers are rounded to bf16, exactly what the store holds.
 """
 
 from __future__ import annotations
 
 import torch
 
-from extract.features import forward_features
+from shared.features import forward_features
 
 
 class OnlineFeatures:

@@ -58,38 +58,38 @@ def check_store(store: Store, dcfg: DrafterConfig, embed: torch.Tensor, head: to
                 allow_other_target: bool = False):
     """Refuse before any work when the store, the drafter config and the target tensors disagree."""
     man = store.manifest
-    t = man["target"]
+    t = man.target
     problems = []
     missing = [l for l in dcfg.target_layer_ids if l not in store.layer_ids]
     if missing:
         problems.append(f"drafter target_layer_ids {dcfg.target_layer_ids} are not a subset of the store's "
                         f"layers {store.layer_ids} (missing {missing})")
-    if dcfg.hidden_size != t["hidden_size"]:
-        problems.append(f"drafter hidden_size {dcfg.hidden_size} != target's {t['hidden_size']}")
-    if dcfg.num_target_layers != t["num_hidden_layers"]:
-        problems.append(f"drafter num_target_layers {dcfg.num_target_layers} != target's {t['num_hidden_layers']}")
-    if dcfg.vocab_size != t["vocab_size"]:
-        problems.append(f"drafter vocab_size {dcfg.vocab_size} != target's {t['vocab_size']}")
+    if dcfg.hidden_size != t.hidden_size:
+        problems.append(f"drafter hidden_size {dcfg.hidden_size} != target's {t.hidden_size}")
+    if dcfg.num_target_layers != t.num_hidden_layers:
+        problems.append(f"drafter num_target_layers {dcfg.num_target_layers} != target's {t.num_hidden_layers}")
+    if dcfg.vocab_size != t.vocab_size:
+        problems.append(f"drafter vocab_size {dcfg.vocab_size} != target's {t.vocab_size}")
     shapes_ok = True
     for name, w in (("embed_tokens", embed), ("lm_head", head)):
-        if tuple(w.shape) != (t["vocab_size"], t["hidden_size"]):
+        if tuple(w.shape) != (t.vocab_size, t.hidden_size):
             shapes_ok = False
             problems.append(f"{target}: {name} has shape {tuple(w.shape)}, the store's target has "
-                            f"({t['vocab_size']}, {t['hidden_size']}): a store made by another target")
+                            f"({t.vocab_size}, {t.hidden_size}): a store made by another target")
     if shapes_ok and not allow_other_target:
         fp = tensors_fingerprint(embed, head)
-        if fp != t["tensors_fingerprint"]:
+        if fp != t.tensors_fingerprint:
             problems.append(f"{target}: embed_tokens/lm_head fingerprint {fp} differs from the store's target "
-                            f"({t['path']}: {t['tensors_fingerprint']}): the drafter would train against "
+                            f"({t.path}: {t.tensors_fingerprint}): the drafter would train against "
                             f"another model's embeddings and LM head (--allow-other-target if you mean it)")
-    if not 0 <= dcfg.mask_token_id < t["vocab_size"]:
+    if not 0 <= dcfg.mask_token_id < t.vocab_size:
         problems.append(f"mask_token_id {dcfg.mask_token_id} outside the vocabulary")
     tok_dir = Path(target)
     if (tok_dir / "tokenizer.json").exists() or (tok_dir / "tokenizer_config.json").exists():
         fp = tokenizer_fingerprint(load_tokenizer(tok_dir))
-        if fp != man["tokenizer"]["fingerprint"]:
+        if fp != man.tokenizer.fingerprint:
             problems.append(f"{target}: tokenizer/chat template fingerprint {fp[:19]}... differs from the "
-                            f"store's {man['tokenizer']['fingerprint'][:19]}...")
+                            f"store's {man.tokenizer.fingerprint[:19]}...")
     if problems:
         raise ConfigError("refusing to train:\n  - " + "\n  - ".join(problems))
 

@@ -1,4 +1,4 @@
-"""One drafter forward + loss on a batch of packed rows (DESIGN.md section 4)."""
+"""One drafter forward + loss on a batch of packed rows (docs/DESIGN.md, "The training step")."""
 
 from __future__ import annotations
 

@@ -333,7 +333,7 @@ class Encoder:
             if self.too_long == "skip":
                 raise RowError("too_long", where, f"{len(ids)} tokens > max length {self.max_len}")
             ids, mask, truncated = ids[:self.max_len], mask[:self.max_len], True
-        # A drafter needs a position p with loss at p and p+1 (DESIGN.md section 4).
+        # A drafter needs a position p with loss at p and p+1 (docs/DESIGN.md, "The training step").
         if not (mask[:-1] & mask[1:]).any():
             raise RowError("no_loss_tokens", where, "fewer than 2 consecutive assistant tokens"
                                                     + (" after truncation" if truncated else ""))

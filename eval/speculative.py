@@ -1,7 +1,7 @@
 """Real speculative decoding at temperature 0 with the target and a DFlash drafter: acceptance
-length (tau, DESIGN.md section 6) and wall-clock speedup over plain greedy decoding.
+length (tau, docs/DESIGN.md, "Acceptance length") and wall-clock speedup over plain greedy decoding.
 
-    python -m train.speculative --drafter runs/x/export --target build/tiny-target \\
+    python -m eval.speculative --drafter runs/x/export --target build/tiny-target \\
         --data build/corpus/chat.jsonl --prompts 16 --max-new 64
 
 Per block: slot 0 = the last committed token; the drafter fills slots 1..block-1; the target
@@ -25,10 +25,9 @@ from pathlib import Path
 
 import torch
 
-from extract.features import capture_layers
-from shared.config import parse_json_object
-from train.model import DFlashDrafter
-from train.step import draft
+from shared.cli import parse_json_object
+from shared.dflash import DFlashDraftModel
+from shared.features import capture_layers
 
 
 @dataclass
@@ -108,19 +107,30 @@ def greedy(target: Target, prompt: list[int], max_new: int, eos: int | None) -> 
     return Result(_trim(tokens, len(prompt), max_new, eos), forwards, time.perf_counter() - t0)
 
 
-def drafter_proposal(drafter: DFlashDrafter, embed: torch.Tensor, head: torch.Tensor):
+def load_drafter(path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+    """A DFlash export (ours, or any checkpoint in the public layout) through this project's
+    modeling file, the one every export ships: evaluation runs what serving loads, not the trainer."""
+    return DFlashDraftModel.from_pretrained(str(path), dtype=dtype).to(device).eval()
+
+
+def drafter_info(drafter) -> tuple[list[int], int, int]:
+    """(target_layer_ids, block_size, mask_token_id) from a DFlashDraftModel's config."""
+    d = drafter.config.dflash_config
+    return list(d["target_layer_ids"]), int(drafter.block_size), int(d["mask_token_id"])
+
+
+def drafter_proposal(drafter, embed: torch.Tensor, head: torch.Tensor):
     """propose(tokens, ctx) -> block_size - 1 draft tokens for the block anchored at the last
-    committed token, from the target features of every earlier position."""
+    committed token, from the target features of every earlier position (ctx)."""
+    _, block, mask_id = drafter_info(drafter)
     dev = embed.device
 
     def propose(tokens: list[int], ctx: list[torch.Tensor]) -> list[int]:
-        a = len(tokens) - 1
-        hidden = torch.cat(ctx + [torch.zeros_like(ctx[0][:1])], dim=0)  # position a: never visible
-        batch = {"hidden": hidden[None], "input_ids": torch.tensor([tokens], device=dev),
-                 "anchors": torch.tensor([[a]], device=dev),
-                 "anchor_valid": torch.ones(1, 1, dtype=torch.bool, device=dev),
-                 "doc": torch.zeros(1, a + 1, dtype=torch.long, device=dev)}
-        out = draft(drafter, embed, batch)[0]        # (block, H)
+        a = len(tokens) - 1                          # the anchor: its own features are not visible
+        hidden = torch.cat(ctx, dim=0)[None, :a]     # positions 0..a-1
+        noise = embed[torch.tensor([tokens[-1]] + [mask_id] * (block - 1), device=dev)][None]
+        out = drafter(target_hidden=hidden.to(noise.dtype), noise_embedding=noise,
+                      position_ids=torch.arange(a + block, device=dev)[None])[0]
         return (out[1:].to(head.dtype) @ head.T).argmax(-1).tolist()
 
     return propose
@@ -160,7 +170,7 @@ def speculative(target: Target, propose, prompt: list[int], max_new: int, eos: i
 def prompts_from(data: str, tokenizer, n: int, max_prompt: int, template_kwargs: dict | None = None) -> list[list[int]]:
     """The last n usable chat rows of DATA, cut before their first assistant turn, rendered with
     the chat template options the store was extracted with (serving must use the same)."""
-    from extract.data import Encoder, RowError, iter_rows, normalize_chat, resolve
+    from shared.data import Encoder, RowError, iter_rows, normalize_chat, resolve
     enc = Encoder(tokenizer, max_prompt, "truncate", template_kwargs)
     rows = []
     for _, _, where, row in iter_rows(resolve(data)):
@@ -189,7 +199,8 @@ def resolve_device(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
 def decode_all(target_model, drafter, prompts, max_new: int, eos: int | None, progress: bool = True) -> dict:
     """Greedy and speculative decoding of every prompt; tau, tokens per target forward, timings."""
     from shared.progress import progress_bar
-    target = Target(target_model, drafter.cfg.target_layer_ids)
+    layer_ids, block, _ = drafter_info(drafter)
+    target = Target(target_model, layer_ids)
     plain = Target(target_model, [])
     embed, head = target_model.get_input_embeddings().weight, target_model.lm_head.weight
     propose = drafter_proposal(drafter, embed, head)
@@ -205,7 +216,7 @@ def decode_all(target_model, drafter, prompts, max_new: int, eos: int | None, pr
         forwards += s.forwards
         g_forwards += g.forwards
         new_tokens += len(s.tokens)
-    summary = summarize(blocks, drafter.cfg.block_size)
+    summary = summarize(blocks, block)
     summary.update({"prompts": len(prompts), "new_tokens": new_tokens,
                     "tokens_per_target_forward": new_tokens / max(forwards, 1),
                     "greedy_seconds": round(t_greedy, 3), "speculative_seconds": round(t_spec, 3),
@@ -218,11 +229,10 @@ def evaluate(target_path: str, drafter_path: str, data: str, n_prompts: int = 16
              max_prompt: int = 512, progress: bool = True, device: str = "auto", dtype: str = "auto",
              template_kwargs: dict | None = None) -> dict:
     from shared.target import load_target, load_tokenizer
-    from train.export import load_drafter
     dev, dt = resolve_device(device, dtype)
     model = load_target(target_path, dev, dt)
     tok = load_tokenizer(target_path)
-    drafter = load_drafter(drafter_path, dtype=dt).to(dev).eval()
+    drafter = load_drafter(drafter_path, dev, dt)
     eos = tok.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tok.get_vocab() else tok.eos_token_id
     prompts = prompts_from(data, tok, n_prompts, max_prompt, template_kwargs)
     summary = decode_all(model, drafter, prompts, max_new, eos, progress)
@@ -231,7 +241,7 @@ def evaluate(target_path: str, drafter_path: str, data: str, n_prompts: int = 16
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m train.speculative", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m eval.speculative", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--drafter", required=True, help="exported drafter folder (config.json + model.safetensors)")
     ap.add_argument("--target", required=True)

@@ -1,0 +1,68 @@
+"""Planning: tokenize DATA, cut the token axis into units, and create the store with its tokens
+and index, in a side folder renamed into place at the end (a crash while planning leaves
+nothing that looks like a store)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+from extract.config import ExtractConfig
+from shared import store as st
+from shared.data import Encoded, encode_all
+from shared.progress import log
+
+
+def assign_units(lengths: list[int], shard_tokens: int) -> tuple[np.ndarray, int]:
+    """Token offsets that pack samples, in order, into units of shard_tokens without a sample
+    straddling two units. Returns (offsets, number of units)."""
+    offsets = np.zeros(len(lengths), dtype=np.int64)
+    unit, used = 0, 0
+    for i, n in enumerate(lengths):
+        if used + n > shard_tokens:
+            unit, used = unit + 1, 0
+        offsets[i] = unit * shard_tokens + used
+        used += n
+    return offsets, unit + 1
+
+
+def plan(cfg: ExtractConfig, manifest: st.Manifest, tokenizer, n_layers: int, hidden: int) -> Path:
+    """Tokenize DATA and create the store with its tokens and index."""
+    _, encoded, report = encode_all(cfg.data, tokenizer, cfg.max_len, cfg.too_long, cfg.progress,
+                                    cfg.chat_template_kwargs)
+    manifest.data.report = {"rows": report.rows, "kept": report.kept, "truncated": report.truncated,
+                            "skipped": dict(report.skipped), "examples": report.examples}
+    store = write_plan(cfg, manifest, encoded, n_layers, hidden)
+    for reason, n in sorted(report.skipped.items()):
+        log(f"skipped {n} row(s): {reason}; first: {report.examples[reason]}")
+    return store
+
+
+def write_plan(cfg: ExtractConfig, manifest: st.Manifest, encoded: list[Encoded], n_layers: int, hidden: int) -> Path:
+    store = Path(cfg.store)
+    partial = store.with_name(store.name + ".partial")
+    if partial.exists():
+        shutil.rmtree(partial)
+    lengths = [len(e.input_ids) for e in encoded]
+    offsets, n_units = assign_units(lengths, cfg.shard_tokens)
+    manifest.layout = st.Layout(n_layers=n_layers, hidden=hidden, topk=cfg.topk, precision=cfg.precision,
+                                codec=cfg.codec, shard_tokens=cfg.shard_tokens, chunk_tokens=cfg.chunk_tokens,
+                                n_units=n_units, n_samples=len(encoded))
+    w = st.create(partial, manifest)
+    ids = np.zeros(cfg.shard_tokens, dtype=np.int32)
+    mask = np.zeros(cfg.shard_tokens, dtype=np.uint8)
+    i = 0
+    for u in range(n_units):  # one whole shard per write
+        ids[:], mask[:] = 0, 0
+        while i < len(encoded) and offsets[i] // cfg.shard_tokens == u:
+            lo = offsets[i] - u * cfg.shard_tokens
+            ids[lo:lo + lengths[i]] = encoded[i].input_ids
+            mask[lo:lo + lengths[i]] = encoded[i].loss_mask
+            i += 1
+        w.write_tokens(u, ids, mask)
+    w.write_index(offsets, lengths, [e.row for e in encoded], [e.file for e in encoded])
+    os.replace(partial, store)
+    return store

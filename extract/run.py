@@ -1,0 +1,278 @@
+"""One extraction run: check the inputs, plan or resume the store, launch one worker per device,
+finalize. Rerunning the same command resumes: finished units are kept, the rest recomputed."""
+
+from __future__ import annotations
+
+import errno
+import multiprocessing as mp
+import os
+import queue
+import shutil
+import threading
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+
+from extract.config import ExtractConfig
+from extract.plan import plan
+from shared import store as st
+from shared.data import describe, resolve
+from shared.progress import log, progress_bar
+from shared.target import (LAYER_CONVENTION, check_safetensors, default_layer_ids, load_embed_and_head,
+                           load_tokenizer, read_config, tensors_fingerprint, tokenizer_fingerprint,
+                           weights_fingerprint)
+
+
+class ExtractError(RuntimeError):
+    pass
+
+
+# --- launching ------------------------------------------------------------------------------
+
+def _devices(cfg: ExtractConfig) -> list[str]:
+    return [f"cuda:{g}" for g in cfg.gpus] if cfg.gpus else ["cpu"] * cfg.cpu_workers
+
+
+def launch(cfg: ExtractConfig, todo: list[int], layout: st.Layout):
+    from extract.worker import worker_main
+
+    devices = _devices(cfg)
+    world = len(devices)
+    per_rank = [[u for u in todo if u % world == r] for r in range(world)]
+    threads = max(1, (os.cpu_count() or 1) // world)
+    n_samples = layout.n_samples
+    done_samples = sum(m["samples"] for m in st.done_units(cfg.store).values())
+    bar = progress_bar(total=n_samples, initial=done_samples, unit=" samples", disable=not cfg.progress,
+                       desc=f"extract ({world} worker{'s' * (world > 1)})")
+    t0, tokens = time.time(), 0
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue() if world > 1 else queue.Queue()
+
+    def monitor(stop):
+        nonlocal tokens
+        while not stop.is_set():
+            try:
+                kind, _u, n, t = q.get(timeout=0.2)
+            except queue.Empty:
+                continue
+            if kind == "batch":
+                tokens += t
+                bar.update(n)
+                bar.set_postfix(tok_s=f"{tokens / max(time.time() - t0, 1e-9):,.0f}")
+
+    stop = threading.Event()
+    mon = threading.Thread(target=monitor, args=(stop,), daemon=True)
+    mon.start()
+    try:
+        if world == 1:
+            worker_main(cfg, 0, 1, devices[0], per_rank[0], q, threads)
+        else:
+            procs = [ctx.Process(target=worker_main, args=(cfg, r, world, d, per_rank[r], q, threads))
+                     for r, d in enumerate(devices)]
+            for p in procs:
+                p.start()
+            while any(p.is_alive() for p in procs):
+                failed = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if failed:
+                    for p in procs:
+                        p.terminate()
+                    if any(code == errno.ENOSPC for _, code in failed):
+                        raise OSError(errno.ENOSPC, "no space left on device")
+                    raise ExtractError(f"worker(s) {failed} (rank, exit code) failed; finished units are "
+                                       f"kept: rerun the same command to resume")
+                time.sleep(0.2)
+            failed = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
+            if failed:
+                raise ExtractError(f"worker(s) {failed} (rank, exit code) failed; rerun the same command to resume")
+    finally:
+        time.sleep(0.3)
+        stop.set()
+        mon.join()
+        bar.close()
+    return time.time() - t0, tokens
+
+
+# --- finalize -------------------------------------------------------------------------------
+
+def finalize(cfg: ExtractConfig, seconds: float) -> dict:
+    w = st.StoreWriter(cfg.store)
+    man, layout = w.manifest, w.layout
+    done = st.done_units(cfg.store)
+    missing = [u for u in range(layout.n_units) if u not in done]
+    if missing:
+        raise ExtractError(f"{cfg.store}: units {missing[:10]} not written; rerun to resume")
+    dropped = [d for m in done.values() for d in m["dropped"]]
+    if dropped:
+        w.mark_dropped([d["sample"] for d in dropped])
+        for d in dropped[:20]:
+            log(f"dropped sample {d['sample']}: NaN/inf features ({man.data.files[d['file']]['path']} row {d['row']})")
+    tokens = sum(m["tokens"] for m in done.values())
+    lengths = st.Store(cfg.store, require_complete=False).lengths()
+    kept_tokens = tokens - sum(int(lengths[d["sample"]]) for d in dropped)
+    disk = sum(f.stat().st_size for f in Path(cfg.store).rglob("*") if f.is_file())
+    raw = tokens * layout.n_layers * layout.hidden * 2  # the same features as uncompressed bf16
+    report = man.data.report
+    summary = {
+        "samples": layout.n_samples - len(dropped), "tokens": int(kept_tokens),
+        "rows_read": report["rows"], "truncated": report["truncated"],
+        "skipped": {**report["skipped"], **({"nan_features": len(dropped)} if dropped else {})},
+        "bytes_on_disk": disk, "bytes_per_token": round(disk / max(tokens, 1), 1),
+        "compression_vs_raw_bf16": round(raw / max(disk, 1), 3),
+        "last_run_seconds": round(seconds, 1),
+    }
+    w.finish(summary, datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    return summary
+
+
+# --- the manifest and the resume check ------------------------------------------------------------
+
+def make_manifest(cfg: ExtractConfig, tcfg: dict, tokenizer, layer_ids: list[int], sources: list[dict]) -> st.Manifest:
+    return st.Manifest(
+        created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        target=st.TargetInfo(
+            path=str(Path(cfg.target).resolve()), model_type=tcfg["model_type"],
+            num_hidden_layers=tcfg["num_hidden_layers"], hidden_size=tcfg["hidden_size"],
+            vocab_size=tcfg["vocab_size"], layer_types=tcfg.get("layer_types"),
+            weights_fingerprint=weights_fingerprint(cfg.target),
+            tensors_fingerprint=tensors_fingerprint(*load_embed_and_head(cfg.target)), config=tcfg),
+        tokenizer=st.TokenizerInfo(
+            fingerprint=tokenizer_fingerprint(tokenizer), size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id, mask_token_id=tokenizer.mask_token_id),
+        layer_ids=layer_ids, layer_convention=LAYER_CONVENTION,
+        dtypes={"hidden": "bfloat16 as uint16 bits" if cfg.precision == "bf16"
+                else "float8_e4m3fn as uint8 bits, times features/scale (float32 per token and layer)",
+                "topk_logp": "float16 log-probabilities", "lse": "float32", "topk_idx": "int32"},
+        precision=cfg.precision, codec=cfg.codec, topk=cfg.topk, max_len=cfg.max_len, too_long=cfg.too_long,
+        # training and evaluation must render chats with the same options as serving
+        chat_template_kwargs=dict(cfg.chat_template_kwargs),
+        data=st.DataInfo(spec=cfg.data, files=sources),
+        run_key={**cfg.run_key(), "layer_ids": layer_ids},
+    )
+
+
+def check_resume(cfg: ExtractConfig, man: st.Manifest, new: st.Manifest):
+    diffs = [f"{k}: store has {man.run_key.get(k)!r}, asked {v!r}" for k, v in new.run_key.items()
+             if man.run_key.get(k) != v]
+    if man.target.weights_fingerprint != new.target.weights_fingerprint:
+        diffs.append("target weights differ")
+    if man.tokenizer.fingerprint != new.tokenizer.fingerprint:
+        diffs.append("tokenizer or chat template differs")
+    old_files, new_files = man.data.files, new.data.files
+    if [f["sha256"] for f in old_files] != [f["sha256"] for f in new_files]:
+        changed = [f"{b['path']} (sha256 {a['sha256'][:16]}... in the store, now {b['sha256'][:16]}...)"
+                   for a, b in zip(old_files, new_files) if a["sha256"] != b["sha256"]]
+        if len(old_files) != len(new_files):
+            changed.append(f"{len(old_files)} source(s) in the store, {len(new_files)} now: "
+                           f"{[f['path'] for f in old_files]} vs {[f['path'] for f in new_files]}")
+        diffs.append("DATA files differ: " + "; ".join(changed))
+    if diffs:
+        raise ExtractError(f"STORE {cfg.store} was made with other settings, so it cannot be resumed: "
+                           + "; ".join(diffs) + ". Use another STORE, or --overwrite to start over.")
+
+
+# --- the run ---------------------------------------------------------------------------------
+
+def run(cfg: ExtractConfig) -> dict:
+    cfg.validate()
+    store = Path(cfg.store)
+    if store.exists() and not store.is_dir():
+        raise ExtractError(f"STORE {store} is an existing file, not a folder: give a new or an existing store path")
+    tcfg = read_config(cfg.target)
+    check_safetensors(cfg.target)
+    tokenizer = load_tokenizer(cfg.target)
+    L = tcfg["num_hidden_layers"]
+    layer_ids = sorted(cfg.layer_ids) if cfg.layer_ids else default_layer_ids(L, cfg.draft_layers)
+    bad = [i for i in layer_ids if not 0 <= i < L]
+    if bad:
+        raise ExtractError(f"--layers {bad} out of range: the target has {L} decoder layers (ids 0..{L - 1})")
+    sources = describe(resolve(cfg.data))
+    manifest = make_manifest(cfg, tcfg, tokenizer, layer_ids, sources)
+
+    store.parent.mkdir(parents=True, exist_ok=True)
+    with st.exclusive_lock(store):
+        return _run_locked(cfg, store, manifest, tokenizer, layer_ids, tcfg["hidden_size"])
+
+
+def _run_locked(cfg: ExtractConfig, store: Path, manifest: dict, tokenizer, layer_ids, hidden: int) -> dict:
+    if store.exists() and cfg.overwrite:
+        shutil.rmtree(store)
+    if (store / "zarr.json").exists():
+        man = st.read_manifest(store)
+        if man is None:
+            raise ExtractError(f"STORE {store} exists and is not a feature store")
+        check_resume(cfg, man, manifest)
+        if man.complete:
+            log(f"{store}: already complete, nothing to do")
+            return man.summary
+        log(f"{store}: resuming")
+    elif store.exists() and any(store.iterdir()):
+        raise ExtractError(f"STORE {store} exists and is not a feature store; refusing to write into it")
+    else:
+        plan(cfg, manifest, tokenizer, len(layer_ids), hidden)
+
+    for tmp in (store / "_progress").glob("*.tmp*"):
+        tmp.unlink()  # marker files a crash left half-written
+    layout = st.read_manifest(store).layout
+    done = st.done_units(store)
+    todo = [u for u in range(layout.n_units) if u not in done]
+    if todo:
+        check_free_space(cfg, store, layout, todo)
+    try:
+        seconds, _ = launch(cfg, todo, layout) if todo else (0.0, 0)
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        raise disk_full(store, layout) from None
+    return finalize(cfg, seconds)
+
+
+# --- disk space -------------------------------------------------------------------------------
+
+# Compression of features seen so far (BENCHMARKS.md: 1.27-1.39x for bf16, 1.22x for fp8 bytes):
+# the estimate takes the low end, so a store "clearly" too big for the disk is refused.
+_RATIO = {"none": 1.0, "lz4": 1.1, "blosc-lz41": 1.1}
+
+
+def bytes_per_token(layout: st.Layout) -> tuple[float, float]:
+    """(raw, estimated on disk) bytes per token for a store's arrays."""
+    feat = layout.n_layers * layout.hidden * (2 if layout.precision == "bf16" else 1)
+    feat += 4 * layout.n_layers if layout.precision == "fp8" else 0
+    other = layout.topk * (4 + 2) + 4 + 4 + 1  # top-k ids and log-probs, lse, input id, loss mask
+    return feat + other, feat / _RATIO.get(layout.codec, 1.2) + other / 2
+
+
+def check_free_space(cfg: ExtractConfig, store: Path, layout: st.Layout, todo: list[int]):
+    index = st.Store(store, require_complete=False).index()
+    tokens = int(index["length"][np.isin(index["offset"] // layout.shard_tokens, todo)].sum())
+    raw, est = bytes_per_token(layout)
+    need, free = tokens * est, shutil.disk_usage(store).free
+    log(f"estimated size of the features still to write: {need / 2**30:,.2f} GiB ({tokens:,.0f} tokens x "
+         f"{est:,.0f} B/token: {layout.n_layers} layers x {layout.hidden} x {layout.precision}, codec "
+         f"{layout.codec}; raw {raw:,.0f} B/token); free on {store}: {free / 2**30:,.2f} GiB")
+    if need > free and not cfg.ignore_free_space:
+        raise ExtractError(f"STORE {store}: about {need / 2**30:,.2f} GiB of features still to write, only "
+                           f"{free / 2**30:,.2f} GiB free. Free space or use another STORE; --ignore-free-space "
+                           f"starts anyway (the plan is kept: rerunning resumes)")
+
+
+def disk_full(store: Path, layout: st.Layout) -> ExtractError:
+    done = len(st.done_units(store))
+    on_disk = sum(f.stat().st_size for f in store.rglob("*") if f.is_file())
+    return ExtractError(f"STORE {store}: the disk is full (errno 28, no space left on device) after {done} of "
+                        f"{layout.n_units} units ({on_disk / 2**30:,.2f} GiB written). Finished units are kept; "
+                        f"free space and rerun the same command to resume")
+
+
+def print_summary(summary: dict, seconds: float):
+    tok = summary["tokens"]
+    print(f"samples {summary['samples']:,}  tokens {tok:,}  rows read {summary['rows_read']:,}  "
+          f"truncated {summary['truncated']:,}")
+    print("skipped rows: " + (", ".join(f"{k} {v}" for k, v in summary["skipped"].items()) or "none"))
+    print(f"on disk {summary['bytes_on_disk'] / 2**20:,.1f} MiB  {summary['bytes_per_token']:,.1f} B/token  "
+          f"compression vs raw bf16 {summary['compression_vs_raw_bf16']:.2f}x")
+    if seconds > 0:
+        print(f"this run: {seconds:,.1f} s")
+
+
