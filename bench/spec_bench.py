@@ -58,7 +58,7 @@ def shape_27b(a) -> dict:
     torch.manual_seed(0)
     from transformers import Qwen3Config
     with torch.device(device):
-        drafter = DFlashDraftModel(Qwen3Config(**dcfg.to_hf())).to(dtype).eval()
+        drafter = DFlashDraftModel(Qwen3Config.from_dict(dcfg.to_hf())).to(dtype).eval()
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 248_000, (a.prompt_len,), generator=g).tolist() for _ in range(a.prompts)]
     # warm-up: kernels and autotuning for the shapes below

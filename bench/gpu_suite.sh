@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# The GPU figures of BENCHMARKS.md that this change touches, in one device call.
+# Carry: .whl (zarr, numcodecs, google-crc32c, donfig, fla-core, flash-linear-attention wheels for
+# the image's Python 3.12), build/tiny-target, build/corpus, runs/default/export (from `make demo`).
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+pip install -q --no-deps .whl/*.whl 2>&1 | tail -2
+export PYTHONPATH=$PWD TOKENIZERS_PARALLELISM=false
+python -c "import torch, transformers, zarr, fla; print('torch', torch.__version__, 'transformers', transformers.__version__, 'zarr', zarr.__version__, torch.cuda.get_device_name())"
+echo "== 1. real decoding, tiny target, on the GPU =="
+python bench/spec_bench.py --tiny build/tiny-target --drafter runs/default/export --data build/corpus/chat.jsonl \
+    --prompts 8 --max-new 48 --json "$OUT/spec_tiny.json"
+echo "== 2. flex vs SDPA, causal sliding mask, fwd+bwd on the GPU =="
+python bench/train_bench.py --sections check --json "$OUT/check.json"
+echo "== 3. real decoding timing path, random 27B-shaped target =="
+python bench/spec_bench.py --shape 27b --prompts 2 --max-new 48 --prompt-len 512 --json "$OUT/spec_27b.json"
+echo "== 4. training step with the engines' sliding mask (27B drafter, seq 8192, 512 anchors) =="
+python bench/train_bench.py --sections step --modes attention,full --steps 5 --json "$OUT/step.json"
+echo "== 5. extraction with per-chunk crc32c (27B shape, seq 8192, 16 seqs) =="
+python bench/extract_bench.py --shape 27b --seq-len 8192 --seqs 16 --json "$OUT/extract.json"
