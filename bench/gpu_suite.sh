@@ -4,18 +4,30 @@
 # the image's Python 3.12), build/tiny-target, build/corpus, runs/default/export (from `make demo`).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
+SECTIONS=${1:-12345}   # e.g. `bench/gpu_suite.sh 123`: one device call stays under 10 minutes
+run() { [[ $SECTIONS == *$1* ]]; }
 mkdir -p "$OUT"
 pip install -q --no-deps .whl/*.whl 2>&1 | tail -2
 export PYTHONPATH=$PWD TOKENIZERS_PARALLELISM=false
 python -c "import torch, transformers, zarr, fla; print('torch', torch.__version__, 'transformers', transformers.__version__, 'zarr', zarr.__version__, torch.cuda.get_device_name())"
+if run 1; then
 echo "== 1. real decoding, tiny target, on the GPU =="
 python bench/spec_bench.py --tiny build/tiny-target --drafter runs/default/export --data build/corpus/chat.jsonl \
     --prompts 8 --max-new 48 --json "$OUT/spec_tiny.json"
+fi
+if run 2; then
 echo "== 2. flex vs SDPA, causal sliding mask, fwd+bwd on the GPU =="
 python bench/train_bench.py --sections check --json "$OUT/check.json"
+fi
+if run 3; then
 echo "== 3. real decoding timing path, random 27B-shaped target =="
 python bench/spec_bench.py --shape 27b --prompts 2 --max-new 48 --prompt-len 512 --json "$OUT/spec_27b.json"
+fi
+if run 4; then
 echo "== 4. training step with the engines' sliding mask (27B drafter, seq 8192, 512 anchors) =="
 python bench/train_bench.py --sections step --modes attention,full --steps 5 --json "$OUT/step.json"
+fi
+if run 5; then
 echo "== 5. extraction with per-chunk crc32c (27B shape, seq 8192, 16 seqs) =="
 python bench/extract_bench.py --shape 27b --seq-len 8192 --seqs 16 --json "$OUT/extract.json"
+fi
