@@ -7,7 +7,7 @@ OUT=${OUT:-/tmp/out}
 SECTIONS=${1:-12345}   # e.g. `bench/gpu_suite.sh 123`: one device call stays under 10 minutes
 run() { [[ $SECTIONS == *$1* ]]; }
 mkdir -p "$OUT"
-pip install -q --no-deps .whl/*.whl 2>&1 | tail -2
+python -m pip install -q --no-deps .whl/*.whl || python -m pip install -q --no-deps --break-system-packages .whl/*.whl
 export PYTHONPATH=$PWD TOKENIZERS_PARALLELISM=false
 python -c "import torch, transformers, zarr, fla; print('torch', torch.__version__, 'transformers', transformers.__version__, 'zarr', zarr.__version__, torch.cuda.get_device_name())"
 if run 1; then

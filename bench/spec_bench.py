@@ -21,8 +21,8 @@ import torch
 
 from shapes import drafter_27b_config, random_target, target_27b_config  # noqa: E402
 
-from train.model import DFlashDrafter
 from eval.speculative import Target, decode_all, drafter_proposal, evaluate, greedy, speculative
+from shared.dflash import DFlashDraftModel
 
 
 def tiny(a) -> list[dict]:
@@ -72,13 +72,17 @@ def shape_27b(a) -> dict:
     _, _, cache = tgt(prompts[0], cache)
     import copy
     snap = copy.deepcopy(cache)
-    _, t_block = timed(lambda: tgt(prompts[0][:dcfg.block_size], copy.deepcopy(snap)), device)
-    _, t_copy = timed(lambda: copy.deepcopy(snap), device)
-    _, t_one = timed(lambda: Target(model, [])([prompts[0][0]], copy.deepcopy(snap)), device)
+    def median(fn):
+        fn()
+        return sorted(timed(fn, device)[1] for _ in range(5))[2]
+    t_block = median(lambda: tgt(prompts[0][:dcfg.block_size], copy.deepcopy(snap)))
+    t_copy = median(lambda: copy.deepcopy(snap))
+    t_one = median(lambda: Target(model, [])([prompts[0][0]], copy.deepcopy(snap)))
     embed, head = model.get_input_embeddings().weight, model.lm_head.weight
     ctx = [torch.randn(a.prompt_len, len(dcfg.target_layer_ids) * dcfg.hidden_size, device=device, dtype=dtype)]
     propose = drafter_proposal(drafter, embed, head)
-    _, t_draft = timed(lambda: propose(list(prompts[0]), ctx), device)
+    propose(list(prompts[0]), ctx)  # the first call at a new shape pays kernel selection: not timed
+    t_draft = sorted(timed(lambda: propose(list(prompts[0]), ctx), device)[1] for _ in range(5))[2]
     return {"target_params_b": round(sum(p.numel() for p in model.parameters()) / 1e9, 2), "prompt_len": a.prompt_len,
             "tau": s["tau"], "tokens_per_target_forward": s["tokens_per_target_forward"],
             "greedy_ms_per_token": s["greedy_ms_per_token"],
