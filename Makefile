@@ -28,8 +28,12 @@ GRID    ?= draft_layers=1,2,3
 DEMO_TRAIN ?= --draft-layers 2 --seq-len 1024 --max-anchors 64 --labels argmax --max-steps 600 --lr 8e-3 \
               --log-every 50 --eval-every 200 --eval-samples 32 --workers 1
 DEMO_EXTRACT ?=
+# The demo's regeneration: the tiny target writes every answer of the corpus, greedy.
+REGEN_DIR  ?= build/regenerated
+DEMO_REGEN ?= --max-new-tokens 96 --batch-size 128 --shard-rows 256
+REGEN_ARGS ?=
 
-.PHONY: venv test extract train inspect verify tiny demo eval ablate clean
+.PHONY: venv test extract regenerate train inspect verify tiny demo eval ablate clean
 
 $(BIN)/.ready: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -54,6 +58,13 @@ extract: venv $(if $(filter build/%,$(TARGET) $(DATA)),build/tiny-target/tiny_tr
 	$(BIN)/python -m extract --data "$(DATA)" --target "$(TARGET)" --store "$(STORE)" --gpus "$(GPUS)" \
 		--chat-template-kwargs '$(CHAT_TEMPLATE_KWARGS)' $(EXTRACT_ARGS)
 
+# The target writes the assistant turns of DATA (the DFlash data recipe): a DATA folder for extract.
+# OUT given on the command line is the output folder; otherwise $(REGEN_DIR).
+regenerate: venv $(if $(filter build/%,$(TARGET) $(DATA)),build/tiny-target/tiny_training.json)
+	$(BIN)/python -m extract.regenerate --data "$(DATA)" --target "$(TARGET)" \
+		--out "$(if $(filter command line,$(origin OUT)),$(OUT),$(REGEN_DIR))" --gpus "$(GPUS)" \
+		--chat-template-kwargs '$(CHAT_TEMPLATE_KWARGS)' $(REGEN_ARGS)
+
 inspect: venv
 	$(BIN)/python -m extract.inspect "$(STORE)"
 
@@ -75,13 +86,16 @@ ablate: venv
 		--chat-template-kwargs '$(CHAT_TEMPLATE_KWARGS)' \
 		$(DEMO_TRAIN) --max-steps 300 --no-progress $(TRAIN_ARGS)
 
-# The whole pipeline on the built-in default: target -> store -> drafter -> real decoding.
+# The whole recipe on the built-in default: the target regenerates the corpus's answers ->
+# store -> verify -> drafter -> real decoding on held-out prompts.
 demo: venv build/tiny-target/tiny_training.json
-	$(BIN)/python -m extract --data "$(DATA)" --target "$(TARGET)" --store "$(STORE)" --gpus "$(GPUS)" \
+	$(BIN)/python -m extract.regenerate --data "$(DATA)" --target "$(TARGET)" --out "$(REGEN_DIR)" --gpus "$(GPUS)" \
+		--chat-template-kwargs '$(CHAT_TEMPLATE_KWARGS)' $(DEMO_REGEN) $(REGEN_ARGS)
+	$(BIN)/python -m extract --data "$(REGEN_DIR)" --target "$(TARGET)" --store "$(STORE)" --gpus "$(GPUS)" \
 		--chat-template-kwargs '$(CHAT_TEMPLATE_KWARGS)' $(DEMO_EXTRACT) $(EXTRACT_ARGS)
 	$(BIN)/python -m extract.inspect "$(STORE)" --verify
 	$(BIN)/python -m train --store "$(STORE)" --out "$(OUT)" --gpus "$(GPUS)" $(DEMO_TRAIN) --resume $(TRAIN_ARGS)
-	$(BIN)/python -m eval.speculative --drafter "$(OUT)/export" --target "$(TARGET)" --data "$(DATA)" \
+	$(BIN)/python -m eval.speculative --drafter "$(OUT)/export" --target "$(TARGET)" --data "$(REGEN_DIR)" \
 		--prompts $(PROMPTS) --max-new $(MAX_NEW) --chat-template-kwargs '$(CHAT_TEMPLATE_KWARGS)'
 
 clean:

@@ -197,9 +197,10 @@ def _tool_calls(value, where: str, i: int) -> list[dict]:
     return out
 
 
-def normalize_chat(row: dict, where: str) -> list[dict] | None:
+def normalize_chat(row: dict, where: str, require_assistant: bool = True) -> list[dict] | None:
     """Messages in the transformers chat format from `messages` or `conversations` (role/content
-    or ShareGPT from/value), tool calls and tool results included; None if the row is plain text."""
+    or ShareGPT from/value), tool calls and tool results included; None if the row is plain text.
+    require_assistant=False accepts prompt-only chats (regeneration writes their answer)."""
     key = "messages" if "messages" in row else "conversations" if "conversations" in row else None
     if key is None:
         if "text" in row:
@@ -233,6 +234,8 @@ def normalize_chat(row: dict, where: str) -> list[dict] | None:
             if isinstance(m.get(extra), str):
                 msg[extra] = m[extra]
         out.append(msg)
+    if not require_assistant:
+        return out
     if not any(m["role"] == "assistant" for m in out):
         raise RowError("no_assistant_turn", where, f"field '{key}' has no assistant turn")
     if all(not m["content"].strip() and "tool_calls" not in m for m in out if m["role"] == "assistant"):

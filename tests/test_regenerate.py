@@ -1,0 +1,200 @@
+"""Regeneration: the target writes the answers; output is a DATA folder extraction reads; kill -9
+and rerun = uninterrupted; the OpenAI engine against a real HTTP server on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+
+from extract.generate import RegenConfig, RegenError, run
+from shared.data import encode_all
+
+REPO = Path(__file__).resolve().parents[1]
+
+MULTI = {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "first question"},
+                      {"role": "assistant", "content": "old answer one"}, {"role": "user", "content": "second"},
+                      {"role": "assistant", "content": "old answer two"}], "tools": None}
+PROMPT_ONLY = {"messages": [{"role": "user", "content": "a prompt with no answer yet"}]}
+
+
+@pytest.fixture(scope="module")
+def data(tiny, tmp_path_factory):
+    path = tmp_path_factory.mktemp("regen") / "d.jsonl"
+    rows = [json.dumps(r) for r in tiny["rows"][:10]] + [json.dumps(MULTI), json.dumps(PROMPT_ONLY), "{broken"]
+    path.write_text("\n".join(rows) + "\n")
+    return path
+
+
+def cfg(tiny, data, out, **kw):
+    base = dict(data=str(data), target=str(tiny["target"]), out=str(out), max_new_tokens=12, shard_rows=4,
+                batch_size=4, progress=False)
+    base.update(kw)
+    return RegenConfig(**base)
+
+
+def rows_of(out: Path) -> list[dict]:
+    return [json.loads(l) for f in sorted(out.glob("part-*.jsonl")) for l in f.read_text().splitlines()]
+
+
+def test_local_engine_writes_a_data_folder_extraction_reads(tiny, data, tmp_path):
+    out = tmp_path / "out"
+    s = run(cfg(tiny, data, out, turns="all"))
+    assert s["rows"] == 12 and s["skipped"] == {"malformed_json": 1}
+    assert sum(s["finish_reasons"].values()) == 10 + 2 + 1  # the multi-turn row has two turns
+    rows = rows_of(out)
+    assert [r["meta"]["source"]["row"] for r in rows] == list(range(12))  # every source row once, in order
+    meta = rows[0]["meta"]
+    assert meta["target"].startswith("sha256:") and meta["generation"]["max_new_tokens"] == 12
+    assert meta["finish_reason"] in ("stop", "length") and meta["source"]["file"] == str(data)
+    multi = rows[10]["messages"]
+    assert [m["role"] for m in multi] == ["system", "user", "assistant", "user", "assistant"]
+    assert multi[2]["content"] != "old answer one" and multi[4]["content"] != "old answer two"
+    assert multi[3]["content"] == "second"                       # prompt turns kept as they were
+    assert [m["role"] for m in rows[11]["messages"]] == ["user", "assistant"]  # the answer appended
+    # a DATA folder for extraction: every row encodes, the state file is not read as data
+    _, enc, report = encode_all(str(out), tiny["tokenizer"], 512, "truncate", progress=False)
+    assert len(enc) + sum(report.skipped.values()) == 12 and not report.skipped.get("malformed_json")
+
+
+def test_regenerated_answer_is_the_targets_greedy_continuation(tiny, data, tmp_path):
+    """Batched, left-padded generation = the target's own greedy decoding of each prompt alone."""
+    import torch
+
+    from shared.target import load_target
+    out = tmp_path / "out"
+    run(cfg(tiny, data, out, batch_size=8))
+    model = load_target(tiny["target"], torch.device("cpu"), torch.float32)
+    tok = tiny["tokenizer"]
+    eot = tok.convert_tokens_to_ids("<|im_end|>")
+    for r in rows_of(out)[:3]:
+        prompt = tok.apply_chat_template(r["messages"][:-1], tokenize=False, add_generation_prompt=True)
+        ids = torch.tensor([tok(prompt, add_special_tokens=False)["input_ids"]])
+        want = []
+        with torch.no_grad():
+            for _ in range(12):
+                nxt = int(model(torch.cat([ids, torch.tensor([want], dtype=torch.long)], 1)).logits[0, -1].argmax())
+                if nxt == eot:
+                    break
+                want.append(nxt)
+        assert r["messages"][-1]["content"] == tok.decode(want, skip_special_tokens=False)
+
+
+def test_resume_with_other_settings_is_refused(tiny, data, tmp_path):
+    out = tmp_path / "out"
+    run(cfg(tiny, data, out))
+    with pytest.raises(RegenError, match="was written with other generation"):
+        run(cfg(tiny, data, out, chat_template_kwargs={"enable_thinking": False}))
+    before = {f.name: f.read_text() for f in out.glob("part-*")}
+    assert run(cfg(tiny, data, out))["rows"] == 12  # the same command: nothing left to do
+    assert {f.name: f.read_text() for f in out.glob("part-*")} == before
+
+
+def _cmd(tiny, data, out):
+    return [sys.executable, "-m", "extract.regenerate", "--data", str(data), "--target", str(tiny["target"]),
+            "--out", str(out), "--max-new-tokens", "24", "--shard-rows", "2", "--batch-size", "1", "--no-progress"]
+
+
+def test_kill_9_then_rerun_equals_uninterrupted(tiny, data, tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    ref = tmp_path / "ref"
+    assert subprocess.run(_cmd(tiny, data, ref), cwd=REPO, env=env, capture_output=True).returncode == 0
+    out = tmp_path / "killed"
+    proc = subprocess.Popen(_cmd(tiny, data, out), cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while time.time() < deadline and len(list(out.glob("part-*.jsonl"))) < 2:
+        time.sleep(0.02)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    n = len(list(out.glob("part-*.jsonl")))
+    assert 0 < n < len(list(ref.glob("part-*.jsonl"))), "the kill must land part-way"
+    res = subprocess.run(_cmd(tiny, data, out), cwd=REPO, env=env, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-2000:]
+    want = {f.name: f.read_bytes() for f in ref.glob("part-*.jsonl")}
+    got = {f.name: f.read_bytes() for f in out.glob("part-*.jsonl")}
+    assert got == want and not list(out.glob("*.tmp*"))
+
+
+# --- the OpenAI engine against a real server -------------------------------------------------------
+
+class FakeServer(ThreadingHTTPServer):
+    """/v1/chat/completions answering 'echo: <last user text>'; the first request fails with 503."""
+
+    def __init__(self):
+        super().__init__(("127.0.0.1", 0), Handler)
+        self.requests, self.in_flight, self.max_in_flight, self.lock = [], 0, 0, threading.Lock()
+
+
+class Handler(BaseHTTPRequestHandler):
+    def log_message(self, *a):
+        pass
+
+    def do_POST(self):
+        srv = self.server
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        with srv.lock:
+            srv.requests.append(body)
+            first = len(srv.requests) == 1
+            srv.in_flight += 1
+            srv.max_in_flight = max(srv.max_in_flight, srv.in_flight)
+        time.sleep(0.05)
+        with srv.lock:
+            srv.in_flight -= 1
+        if self.path != "/v1/chat/completions" or first:
+            self.send_response(503 if first else 404)
+            self.end_headers()
+            return
+        last = [m for m in body["messages"] if m["role"] == "user"][-1]["content"]
+        text = f"echo: {last}"[:40]
+        ans = {"choices": [{"message": {"role": "assistant", "content": text},
+                            "finish_reason": "length" if "second" in last else "stop"}],
+               "usage": {"completion_tokens": len(text.split())}}
+        data = json.dumps(ans).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
+def test_openai_engine_with_retries_and_bounded_concurrency(data, tmp_path):
+    srv = FakeServer()
+    t = threading.Thread(target=srv.serve_forever, daemon=True)
+    t.start()
+    try:
+        out = tmp_path / "out"
+        c = RegenConfig(data=str(data), out=str(out), engine="openai", model="served",
+                        base_url=f"http://127.0.0.1:{srv.server_address[1]}/v1", concurrency=3, shard_rows=16,
+                        turns="all", chat_template_kwargs={"enable_thinking": False}, progress=False)
+        s = run(c)
+    finally:
+        srv.shutdown()
+    assert s["rows"] == 12 and s["finish_reasons"] == {"stop": 12, "length": 1}
+    assert 1 < srv.max_in_flight <= 3
+    assert len(srv.requests) == 13 + 1  # 13 turns, and the first attempt that failed with 503
+    assert all(r["model"] == "served" and r["chat_template_kwargs"] == {"enable_thinking": False}
+               for r in srv.requests)
+    rows = rows_of(out)
+    multi = rows[10]["messages"]
+    assert multi[2]["content"] == "echo: first question" and multi[4]["content"] == "echo: second"
+    # the second turn was asked with the regenerated first answer in its history
+    second = [r for r in srv.requests if r["messages"][-1]["content"] == "second"][0]
+    assert second["messages"][2]["content"] == "echo: first question"
+    assert rows[10]["meta"]["finish_reasons"] == ["stop", "length"] and rows[10]["meta"]["target"].startswith("openai:")
+
+
+def test_openai_engine_gives_up_with_a_clear_error(data, tmp_path):
+    c = RegenConfig(data=str(data), out=str(tmp_path / "o"), engine="openai", base_url="http://127.0.0.1:9/v1",
+                    retries=2, progress=False)
+    with pytest.raises(RegenError, match=r"127.0.0.1:9/v1/chat/completions: request failed after 2 attempt"):
+        run(c)
+    assert not list((tmp_path / "o").glob("part-*"))
