@@ -31,3 +31,9 @@ if run 5; then
 echo "== 5. extraction with per-chunk crc32c (27B shape, seq 8192, 16 seqs) =="
 python bench/extract_bench.py --shape 27b --seq-len 8192 --seqs 16 --json "$OUT/extract.json"
 fi
+
+if run 6; then
+echo "== 6. regeneration throughput (local engine), tiny and 27B shape, batch 1/16/64 =="
+python bench/regen_bench.py --tiny build/tiny-target --data build/corpus/chat.jsonl --json "$OUT/regen_tiny.json"
+python bench/regen_bench.py --shape 27b --json "$OUT/regen_27b.json"
+fi

@@ -162,7 +162,7 @@ class LocalEngine:
     """transformers generate on the target's device, batched by prompt length, with the hybrid
     (DeltaNet + attention) cache the model's own generate builds."""
 
-    def __init__(self, cfg: RegenConfig, device: str):
+    def __init__(self, cfg: RegenConfig, device: str, model=None, tokenizer=None):
         import torch
 
         from shared.target import load_target, load_tokenizer
@@ -170,18 +170,24 @@ class LocalEngine:
         self.device = torch.device(device)
         dtype = {"auto": torch.bfloat16 if self.device.type == "cuda" else torch.float32,
                  "bf16": torch.bfloat16, "fp32": torch.float32}[cfg.dtype]
-        self.model = load_target(cfg.target, self.device, dtype)
-        self.tok = load_tokenizer(cfg.target)
+        # benchmarks pass a model built in memory; otherwise loaded from cfg.target
+        self.model = model if model is not None else load_target(cfg.target, self.device, dtype)
+        self.tok = tokenizer if tokenizer is not None else load_tokenizer(cfg.target)
         self.enc = Encoder(self.tok, cfg.max_prompt_len, "skip", cfg.chat_template_kwargs)
         vocab = self.tok.get_vocab()
         self.eot = vocab["<|im_end|>"] if "<|im_end|>" in vocab else self.tok.eos_token_id
         self.pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.eot
 
     def generate(self, prompts: list[tuple[list[dict], list | None]], seed: int) -> list[Reply]:
-        torch = self.torch
         ids = [self.tok(self.enc.prompt(m, t), add_special_tokens=False)["input_ids"] for m, t in prompts]
+        return [Reply(self.tok.decode(new, skip_special_tokens=False), "stop" if stop else "length", len(new) + stop)
+                for new, stop in self.generate_ids(ids, seed)]
+
+    def generate_ids(self, ids: list[list[int]], seed: int) -> list[tuple[list[int], bool]]:
+        """(new tokens before the end of turn, whether it stopped) per prompt, in prompt order."""
+        torch = self.torch
         order = sorted(range(len(ids)), key=lambda i: (-len(ids[i]), i))
-        out: list[Reply | None] = [None] * len(ids)
+        out: list[tuple[list[int], bool] | None] = [None] * len(ids)
         for b, lo in enumerate(range(0, len(order), self.cfg.batch_size)):
             batch = order[lo:lo + self.cfg.batch_size]
             S = max(len(ids[i]) for i in batch)
@@ -202,9 +208,7 @@ class LocalEngine:
             for r, i in enumerate(batch):
                 new = gen[r, S:].tolist()
                 stop = self.eot in new
-                new = new[:new.index(self.eot)] if stop else new
-                out[i] = Reply(self.tok.decode(new, skip_special_tokens=False), "stop" if stop else "length",
-                               len(new) + stop)
+                out[i] = (new[:new.index(self.eot)] if stop else new, stop)
         return out  # type: ignore[return-value]
 
 
