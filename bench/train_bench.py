@@ -32,7 +32,7 @@ from shapes import drafter_27b_config, random_target, target_27b_config  # noqa:
 from train.config import DrafterConfig
 from train.mask import sample_anchors
 from train.model import DFlashDrafter, param_count
-from train.step import forward_loss, train_step
+from train.step import StepConfig, forward_loss, train_step
 
 RESULTS: dict = {}
 
@@ -80,7 +80,7 @@ def check(device):
     for backend in ("sdpa", "flex_compiled"):
         torch.manual_seed(0)
         m = DFlashDrafter(cfg, backend=backend).to(device)
-        loss, stats, tg = forward_loss(m, embed, head, b, labels="data", gamma=7.0, loss_chunk=4096)
+        loss, stats, tg = forward_loss(m, embed, head, b, StepConfig.of(m))
         (loss / tg["weight"].sum()).backward()
         out[backend] = (loss.detach(), {k: p.grad.detach().clone() for k, p in m.named_parameters()})
     (l0, g0), (l1, g1) = out["sdpa"], out["flex_compiled"]
@@ -106,15 +106,13 @@ def make_model(dcfg, mode, device):
 
 def time_steps(run, opt, params, embed, head, batch, steps, autocast, device, warmup=2):
     for _ in range(warmup):
-        train_step(run, params, opt, None, embed, head, [batch], labels="data", gamma=7.0, loss_chunk=4096,
-                   grad_clip=1.0, autocast=autocast)
+        train_step(run, opt, None, embed, head, [batch], StepConfig.of(run), autocast)
     sync(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     t = time.perf_counter()
     for _ in range(steps):
-        r = train_step(run, params, opt, None, embed, head, [batch], labels="data", gamma=7.0, loss_chunk=4096,
-                       grad_clip=1.0, autocast=autocast)
+        r = train_step(run, opt, None, embed, head, [batch], StepConfig.of(run), autocast)
     sync(device)
     dt = (time.perf_counter() - t) / steps
     peak = torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else float("nan")
@@ -248,13 +246,11 @@ def online(device, dcfg, S, A, steps, target_layers):
 
     def offline_step():
         b = dict(batch, hidden=host_hidden.to(device, non_blocking=True))
-        train_step(run, params, opt, None, embed, head, [b], labels="data", gamma=7.0, loss_chunk=4096,
-                   grad_clip=1.0, autocast=autocast)
+        train_step(run, opt, None, embed, head, [b], StepConfig.of(run), autocast)
 
     def online_step():
         b = dict(batch, hidden=target_features())
-        train_step(run, params, opt, None, embed, head, [b], labels="data", gamma=7.0, loss_chunk=4096,
-                   grad_clip=1.0, autocast=autocast)
+        train_step(run, opt, None, embed, head, [b], StepConfig.of(run), autocast)
 
     times = {}
     for name, fn in (("offline", offline_step), ("online", online_step), ("target forward only", target_features),

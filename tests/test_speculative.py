@@ -121,11 +121,11 @@ def test_offline_estimate_equals_real_acceptance(tiny, target, tmp_path):
     batch = {"hidden": hidden.reshape(1, S, -1), "input_ids": full, "loss_mask": torch.ones(1, S, dtype=torch.bool),
              "doc": torch.zeros(1, S, dtype=torch.long), "argmax": idx[:, 0][None]}
     opt = torch.optim.Adam(drafter.parameters(), lr=3e-3)
-    from train.step import forward_loss
+    from train.step import StepConfig, forward_loss
     for step in range(60):
         anchors = torch.randint(0, S - 1, (1, 16)).sort().values
         b = dict(batch, anchors=anchors, anchor_valid=torch.ones(1, 16, dtype=torch.bool))
-        loss, _, tg = forward_loss(drafter, embed, head, b, labels="argmax", gamma=7.0, loss_chunk=4096)
+        loss, _, tg = forward_loss(drafter, embed, head, b, StepConfig.of(drafter, labels="argmax"))
         (loss / tg["weight"].sum()).backward()
         opt.step()
         opt.zero_grad()

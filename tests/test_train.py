@@ -148,7 +148,7 @@ def test_export_reload_gives_identical_logits(store, draft, tmp_path):
     from train.loader import EpochPlan, RowDataset, RowSpec
     from train.loop import train
     from train.model import DFlashDrafter
-    from train.step import forward_loss
+    from train.step import StepConfig, forward_loss
     from shared.target import load_embed_and_head
     train(tcfg(store, draft, tmp_path / "run", max_steps=2))
     out = tmp_path / "run" / "export"
@@ -173,8 +173,8 @@ def test_export_reload_gives_identical_logits(store, draft, tmp_path):
     batch = {k: v[None] for k, v in RowDataset(str(store), rows, RowSpec((0, 3), 256, 16, 0), 0)[0].items()}
     embed, head = load_embed_and_head(s.manifest.target.path)
     with torch.no_grad():
-        a = forward_loss(ref, embed, head, batch, labels="data", gamma=7, loss_chunk=64)
-        b = forward_loss(got, embed, head, batch, labels="data", gamma=7, loss_chunk=64)
+        a = forward_loss(ref, embed, head, batch, StepConfig.of(ref, loss_chunk=64))
+        b = forward_loss(got, embed, head, batch, StepConfig.of(got, loss_chunk=64))
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
 
 

@@ -7,19 +7,18 @@ import torch
 import torch.distributed as dist
 
 from train.loss import metrics_from_stats
-from train.step import forward_loss
+from train.step import StepConfig, forward_loss
 
 
 @torch.no_grad()
-def evaluate(model, embed, head, loader, *, labels: str, gamma: float, loss_chunk: int, block: int,
-             device, autocast) -> dict:
+def evaluate(model, embed, head, loader, sc: StepConfig, device, autocast) -> dict:
     model.eval()
-    stats = torch.zeros(3, block, dtype=torch.float32, device=device)
+    stats = torch.zeros(3, sc.block, dtype=torch.float32, device=device)
     loss, weight = 0.0, 0.0
     for batch in loader:
         batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
         with autocast:
-            ls, st, tg = forward_loss(model, embed, head, batch, labels=labels, gamma=gamma, loss_chunk=loss_chunk)
+            ls, st, tg = forward_loss(model, embed, head, batch, sc)
         stats += st.float()
         loss += float(ls)
         weight += float(tg["weight"].sum())

@@ -1,5 +1,5 @@
-"""Everything a run needs before its first step: the process group, the drafter config, the
-target's frozen tensors, and the checks that refuse a mismatched store before any work."""
+"""What train/run.py builds a run from: the process group, the drafter config, the checks that
+refuse a mismatched store before any work, the learning-rate schedule."""
 
 from __future__ import annotations
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -11,7 +12,8 @@ import torch.nn.functional as F
 from shared.store import fp8_decode
 from train.attention import build_masks
 from train.loss import chunked_loss, slot_stats, slot_targets
-from train.model import DFlashDrafter, unwrap
+from train.config import DrafterConfig
+from train.model import unwrap
 
 
 def block_inputs(batch: dict, block: int, mask_token_id: int):
@@ -27,15 +29,36 @@ def block_inputs(batch: dict, block: int, mask_token_id: int):
     return tok.reshape(B, A * block), ctx_pos, block_pos
 
 
-def draft(model, embed: torch.Tensor, batch: dict) -> torch.Tensor:
+@dataclass(frozen=True)
+class StepConfig:
+    """What a step needs besides tensors: the drafter's config (block size, mask token, layer
+    masks), the attention form, the labels and the loss settings. Built once per run, so no
+    step unwraps the model to find them."""
+    drafter: DrafterConfig
+    mask_form: str = "sdpa"            # "sdpa": dense bool masks; "flex": BlockMasks
+    labels: str = "data"
+    gamma: float = 7.0
+    loss_chunk: int = 4096
+    grad_clip: float = 1.0
+
+    @property
+    def block(self) -> int:
+        return self.drafter.block_size
+
+    @classmethod
+    def of(cls, model, **kw) -> "StepConfig":
+        """For a DFlashDrafter (or a DDP/compiled wrapper of one): its config and backend."""
+        inner = unwrap(model)
+        return cls(inner.cfg, "sdpa" if inner.backend == "sdpa" else "flex", **kw)
+
+
+def draft(model, embed: torch.Tensor, batch: dict, sc: StepConfig | None = None) -> torch.Tensor:
     """The drafter's normed output (B, A*block, H) for every block of a batch: what the target's
-    LM head turns into draft logits. Shared by training, offline evaluation and decoding.
-    `model` may be a DDP or compiled wrapper of a DFlashDrafter."""
-    inner = unwrap(model)
-    cfg = inner.cfg
+    LM head turns into draft logits. `model` may be a DDP or compiled wrapper of a DFlashDrafter."""
+    sc = sc or StepConfig.of(model)
+    cfg = sc.drafter
     tok, ctx_pos, block_pos = block_inputs(batch, cfg.block_size, cfg.mask_token_id)
-    masks = build_masks(batch, cfg.block_size, cfg.mask_kinds(), "sdpa" if inner.backend == "sdpa" else "flex",
-                        batch["input_ids"].device)
+    masks = build_masks(batch, cfg.block_size, cfg.mask_kinds(), sc.mask_form, batch["input_ids"].device)
     noise = F.embedding(tok, embed)
     return model(context_features(batch).to(noise.dtype), noise, ctx_pos, block_pos, masks)
 
@@ -50,41 +73,38 @@ def context_features(batch: dict) -> torch.Tensor:
     return fp8_decode(h.reshape(B, S, L, -1), batch["hidden_scale"]).reshape(B, S, -1)
 
 
-def forward_loss(model: DFlashDrafter, embed: torch.Tensor, head: torch.Tensor, batch: dict, *,
-                 labels: str, gamma: float, loss_chunk: int, targets: dict | None = None):
+def forward_loss(model, embed: torch.Tensor, head: torch.Tensor, batch: dict, sc: StepConfig,
+                 targets: dict | None = None):
     """Returns (sum of weight * CE, per-slot stats (3, block), targets)."""
-    block = unwrap(model).cfg.block_size
-    out = draft(model, embed, batch)
-    tg = targets if targets is not None else slot_targets(batch, block, gamma, labels)
-    loss_sum, pred = chunked_loss(out, head, tg, loss_chunk)
-    return loss_sum, slot_stats(pred, tg, block), tg
+    out = draft(model, embed, batch, sc)
+    tg = targets if targets is not None else slot_targets(batch, sc.block, sc.gamma, sc.labels)
+    loss_sum, pred = chunked_loss(out, head, tg, sc.loss_chunk)
+    return loss_sum, slot_stats(pred, tg, sc.block), tg
 
 
-def train_step(model, params, opt, sched, embed, head, mbs: list[dict], *, labels: str, gamma: float,
-               loss_chunk: int, grad_clip: float, autocast) -> dict:
+def train_step(model, opt, sched, embed, head, mbs: list[dict], sc: StepConfig, autocast) -> dict:
     """One optimizer step over micro-batches `mbs` (gradient accumulation). The loss is normalised
     by the summed slot weights of the whole global batch: every micro-batch of every rank
     (docs/DESIGN.md, "The training step"). The optimizer step is skipped when the gradient is not
     finite (`finite` False in the result); the caller decides whether to stop."""
-    block = unwrap(model).cfg.block_size
     world = dist.get_world_size() if dist.is_initialized() else 1
-    tgs = [slot_targets(mb, block, gamma, labels) for mb in mbs]
+    tgs = [slot_targets(mb, sc.block, sc.gamma, sc.labels) for mb in mbs]
     W = torch.stack([t["weight"].sum() for t in tgs]).sum().double().reshape(1)
     if dist.is_initialized():
         dist.all_reduce(W)
     loss_total = torch.zeros((), dtype=torch.float64, device=W.device)
-    stats_total = torch.zeros(3, block, device=W.device)
+    stats_total = torch.zeros(3, sc.block, device=W.device)
     tokens = torch.zeros((), dtype=torch.long, device=W.device)
     no_sync = getattr(model, "no_sync", contextlib.nullcontext)
     for i, (mb, tg) in enumerate(zip(mbs, tgs)):
         with (contextlib.nullcontext() if i == len(mbs) - 1 else no_sync()), autocast:
-            loss_sum, stats, _ = forward_loss(model, embed, head, mb, labels=labels, gamma=gamma,
-                                              loss_chunk=loss_chunk, targets=tg)
+            loss_sum, stats, _ = forward_loss(model, embed, head, mb, sc, targets=tg)
         (loss_sum * world / W.float().clamp(min=1e-9)).backward()  # DDP averages over ranks
         loss_total += loss_sum.detach().double()
         stats_total += stats.detach().float()
         tokens += (mb["doc"] >= 0).sum()
-    gnorm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    params = [p for g in opt.param_groups for p in g["params"]]
+    gnorm = torch.nn.utils.clip_grad_norm_(params, sc.grad_clip)
     # The one host sync of a step: a non-finite gradient (NaN features, an overflow) must never
     # reach the weights. The norm is global after DDP's all-reduce, so every rank agrees.
     finite = bool(torch.isfinite(gnorm))
