@@ -104,7 +104,7 @@ def make_model(dcfg, mode, device):
     return m, run, opt
 
 
-def time_steps(run, opt, params, embed, head, batch, steps, autocast, device, warmup=2):
+def time_steps(run, opt, embed, head, batch, steps, autocast, device, warmup=2):
     for _ in range(warmup):
         train_step(run, opt, None, embed, head, [batch], StepConfig.of(run), autocast)
     sync(device)
@@ -135,7 +135,7 @@ def step(device, dcfg, S, A, modes, steps):
         try:
             m, run, opt = make_model(dcfg, mode, device)
             t0 = time.perf_counter()
-            dt, peak, loss = time_steps(run, opt, list(m.parameters()), embed, head, batch, steps, autocast, device)
+            dt, peak, loss = time_steps(run, opt, embed, head, batch, steps, autocast, device)
             rows[mode] = {"ms": dt * 1e3, "peak_gib": peak, "loss": loss}
             print(f"compile {mode:9s}: {dt * 1e3:8.1f} ms/step  peak {peak:6.1f} GiB  "
                   f"({param_count(m) / 1e9:.2f}B params, {time.perf_counter() - t0:.0f}s incl. compile)", flush=True)
@@ -236,7 +236,6 @@ def online(device, dcfg, S, A, steps, target_layers):
     host_hidden = batch["hidden"].cpu().pin_memory() if device.type == "cuda" else batch["hidden"].cpu()
     torch._dynamo.reset()
     m, run, opt = make_model(dcfg, "attention", device)
-    params = list(m.parameters())
     autocast = torch.autocast(device.type, dtype=torch.bfloat16)
 
     def target_features():

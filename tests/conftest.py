@@ -49,3 +49,17 @@ def read_all(store: Path) -> dict:
         for name, arr in g[group].arrays():
             out[f"{group}/{name}"] = arr[:]
     return out
+
+
+def mask_runs(tok, ids, mask) -> list[str]:
+    """The loss-masked tokens of a sequence, decoded run by run."""
+    runs, cur = [], []
+    for i, m in zip(ids, mask):
+        if m:
+            cur.append(int(i))
+        elif cur:
+            runs.append(cur)
+            cur = []
+    if cur:
+        runs.append(cur)
+    return [tok.decode(r) for r in runs]

@@ -5,12 +5,11 @@ from __future__ import annotations
 import errno
 import json
 import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from conftest import extract_cfg, read_all
+from conftest import extract_cfg, mask_runs, read_all
 from extract.__main__ import main
 from extract.run import ExtractError, run
 from shared.data import Encoder, encode_all
@@ -18,19 +17,6 @@ from shared import store as st
 from shared.target import TargetError
 
 CHAT = {"messages": [{"role": "user", "content": "say hi"}, {"role": "assistant", "content": "hi there friend"}]}
-
-
-def mask_runs(tok, ids, mask) -> list[str]:
-    runs, cur = [], []
-    for i, m in zip(ids, mask):
-        if m:
-            cur.append(int(i))
-        elif cur:
-            runs.append(cur)
-            cur = []
-    if cur:
-        runs.append(cur)
-    return [tok.decode(r) for r in runs]
 
 
 # --- inputs ------------------------------------------------------------------------------------

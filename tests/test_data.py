@@ -7,6 +7,7 @@ import json
 import numpy as np
 import pytest
 
+from conftest import mask_runs
 from shared.data import DataError, Encoder, RowError, encode_all, resolve
 
 
@@ -28,16 +29,7 @@ def test_loss_mask_covers_assistant_turns_and_their_end_token(tiny):
     tok = tiny["tokenizer"]
     assert not truncated
     # The masked tokens, decoded run by run, are exactly the assistant turns plus <|im_end|>.
-    runs, cur = [], []
-    for i, m in zip(ids, mask):
-        if m:
-            cur.append(int(i))
-        elif cur:
-            runs.append(cur)
-            cur = []
-    if cur:
-        runs.append(cur)
-    assert [tok.decode(r) for r in runs] == ["hi there friend<|im_end|>", "hello again<|im_end|>"]
+    assert mask_runs(tok, ids, mask) == ["hi there friend<|im_end|>", "hello again<|im_end|>"]
 
 
 def test_sharegpt_and_text_rows(tiny):

@@ -3,7 +3,6 @@ holds is built in train/run.py; metrics and checkpoints are components of their 
 
 from __future__ import annotations
 
-import torch
 import torch.distributed as dist
 
 from shared.progress import log
