@@ -92,9 +92,10 @@ class RegenConfig:
 @dataclass
 class Reply:
     text: str
-    finish_reason: str            # "stop" | "length"
+    finish_reason: str            # "stop" | "length" | "error" (the row is skipped, `error` says why)
     tokens: int
     tool_calls: list | None = None
+    error: tuple[str, str] | None = None  # (reason, message) when the row cannot be answered
 
 
 @dataclass
@@ -109,6 +110,7 @@ class Job:
     done: list[dict] = field(default_factory=list)   # the conversation so far, regenerated turns in
     reasons: list[str] = field(default_factory=list)
     tokens: int = 0
+    error: tuple[str, str] | None = None  # why the row cannot be regenerated (it is skipped)
 
     @classmethod
     def of(cls, g, fi, ri, row, msgs, turns: str) -> "Job":
@@ -121,12 +123,15 @@ class Job:
         return cls(g, fi, ri, row, cuts, msgs[asst[-1] + 1:])
 
     def pending(self) -> bool:
-        return len(self.reasons) < len(self.todo)
+        return self.error is None and len(self.reasons) < len(self.todo)
 
     def prompt(self) -> list[dict]:
         return self.done + self.todo[len(self.reasons)]
 
     def accept(self, r: Reply):
+        if r.error is not None:
+            self.error = r.error
+            return
         self.done = self.prompt() + [{"role": "assistant", "content": r.text,
                                       **({"tool_calls": r.tool_calls} if r.tool_calls else {})}]
         self.reasons.append(r.finish_reason)
@@ -179,9 +184,23 @@ class LocalEngine:
         self.pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.eot
 
     def generate(self, prompts: list[tuple[list[dict], list | None]], seed: int) -> list[Reply]:
-        ids = [self.tok(self.enc.prompt(m, t), add_special_tokens=False)["input_ids"] for m, t in prompts]
-        return [Reply(self.tok.decode(new, skip_special_tokens=False), "stop" if stop else "length", len(new) + stop)
-                for new, stop in self.generate_ids(ids, seed)]
+        out: list[Reply | None] = [None] * len(prompts)
+        ids, where = [], []
+        for i, (m, t) in enumerate(prompts):
+            try:
+                x = self.tok(self.enc.prompt(m, t), add_special_tokens=False)["input_ids"]
+            except RowError as e:
+                out[i] = Reply("", "error", 0, error=(e.reason, str(e)))
+                continue
+            if len(x) > self.cfg.max_prompt_len:
+                out[i] = Reply("", "error", 0, error=("too_long", f"prompt of {len(x)} tokens > --max-prompt-len "
+                                                                  f"{self.cfg.max_prompt_len}"))
+                continue
+            ids.append(x)
+            where.append(i)
+        for i, (new, stop) in zip(where, self.generate_ids(ids, seed) if ids else []):
+            out[i] = Reply(self.tok.decode(new, skip_special_tokens=False), "stop" if stop else "length", len(new) + stop)
+        return out  # type: ignore[return-value]
 
     def generate_ids(self, ids: list[list[int]], seed: int) -> list[tuple[list[int], bool]]:
         """(new tokens before the end of turn, whether it stopped) per prompt, in prompt order."""
@@ -245,8 +264,8 @@ class OpenAIEngine:
                 return Reply(msg.get("content") or "", reason, int(tokens), msg.get("tool_calls") or None)
             except urllib.error.HTTPError as e:
                 err = f"HTTP {e.code}: {e.read()[:200]!r}"
-                if e.code != 429 and e.code < 500:
-                    break  # a request the server refuses: retrying changes nothing
+                if e.code != 429 and e.code < 500:  # this row refused (too long, bad tools): retrying changes nothing
+                    return Reply("", "error", 0, error=("server_refused", f"{self.url}: {err}"))
             except (urllib.error.URLError, TimeoutError, ConnectionError, json.JSONDecodeError, KeyError) as e:
                 err = f"{type(e).__name__}: {e}"
             time.sleep(min(30.0, 0.2 * 2 ** attempt))
@@ -273,14 +292,20 @@ def run_shard(engine, cfg: RegenConfig, k: int, jobs: list[Job], sources: list[d
         for j, r in zip(active, replies):
             j.accept(r)
         rnd += 1
-    lines, stats = [], Counter()
+    lines, stats, examples = [], Counter(), {}
     gen = {k2: v for k2, v in cfg.generation().items() if k2 not in ("shard_rows", "batch_size")}
     for j in jobs:
+        if j.error is not None:
+            reason, msg = j.error
+            stats[f"skipped_{reason}"] += 1
+            examples.setdefault(reason, f"{sources[j.file]['path']} row {j.row}: {msg}")
+            continue
         stats["tokens"] += j.tokens
         for r in j.reasons:
             stats[f"finish_{r}"] += 1
         if cfg.drop_length and "length" in j.reasons:
-            stats["dropped_length"] += 1
+            stats["skipped_length"] += 1
+            examples.setdefault("length", f"{sources[j.file]['path']} row {j.row}: hit --max-new-tokens (--drop-length)")
             continue
         row = {k2: v for k2, v in j.source.items() if k2 not in ("messages", "conversations", "meta")}
         row["messages"] = j.done + j.tail
@@ -289,6 +314,9 @@ def run_shard(engine, cfg: RegenConfig, k: int, jobs: list[Job], sources: list[d
                        "finish_reasons": j.reasons, "new_tokens": j.tokens}
         lines.append(json.dumps(row, ensure_ascii=False))
         stats["rows"] += 1
+    # the shard's counts first (not a DATA suffix), then the shard: a shard file means both are whole
+    atomic_write_text(shard_path(Path(cfg.out), k).with_suffix(".stats"),
+                      json.dumps({"stats": dict(stats), "examples": examples}))
     atomic_write_text(shard_path(Path(cfg.out), k), "".join(line + "\n" for line in lines))
     return dict(stats)
 
@@ -312,6 +340,10 @@ def run(cfg: RegenConfig) -> dict:
     out = Path(cfg.out)
     if out.exists() and not out.is_dir():
         raise RegenError(f"OUT {out} is an existing file, not a folder")
+    if cfg.engine == "local":  # a missing or broken target is refused before anything is written
+        from shared.target import check_safetensors, read_config
+        read_config(cfg.target)
+        check_safetensors(cfg.target)
     sources, jobs, skipped, examples = read_jobs(cfg)
     target_id = _target_id(cfg)
     state = {"data": cfg.data, "sources": [s["sha256"] for s in sources], "target": target_id,
@@ -329,7 +361,7 @@ def run(cfg: RegenConfig) -> dict:
     for j in jobs:
         shards.setdefault(j.g // cfg.shard_rows, []).append(j)
     todo = {k: v for k, v in shards.items() if not shard_path(out, k).exists()}
-    for tmp in out.glob("part-*.jsonl.tmp*"):
+    for tmp in out.glob("part-*.tmp*"):
         tmp.unlink()  # a shard a crash left half-written
     devices = [f"cuda:{g}" for g in cfg.gpus] if cfg.gpus else ["cpu"]
     if cfg.engine == "openai":
@@ -353,9 +385,12 @@ def run(cfg: RegenConfig) -> dict:
     else:  # one process per GPU
         procs = [ctx.Process(target=_worker, args=(cfg, d, parts[r], sources, target_id, q))
                  for r, d in enumerate(devices)]
+    remaining = sum(len(v) for v in todo.values())
+    if not remaining:
+        procs = []  # nothing left: no target to load
+        log(f"{out}: every shard already written, nothing to do")
     for p in procs:
         p.start()
-    remaining = sum(len(v) for v in todo.values())
     while remaining > 0:
         try:
             n, t = q.get(timeout=0.5)
@@ -384,12 +419,19 @@ def run(cfg: RegenConfig) -> dict:
 
 def summarize(out: Path, skipped: Counter, examples: dict, seconds: float, tokens: int) -> dict:
     rows, reasons, total_tokens = 0, Counter(), 0
+    skipped, examples = Counter(skipped), dict(examples)
     for f in sorted(out.glob("part-*.jsonl")):
         for line in f.read_text().splitlines():
             meta = json.loads(line)["meta"]
             rows += 1
             reasons.update(meta["finish_reasons"])
             total_tokens += meta["new_tokens"]
+        st = json.loads(f.with_suffix(".stats").read_text())
+        for key, n in st["stats"].items():
+            if key.startswith("skipped_"):
+                skipped[key[len("skipped_"):]] += n
+        for reason, ex in st["examples"].items():
+            examples.setdefault(reason, ex)
     for reason, n in sorted(skipped.items()):
         log(f"skipped {n} row(s): {reason}; first: {examples[reason]}")
     return {"rows": rows, "new_tokens": total_tokens, "finish_reasons": dict(reasons), "skipped": dict(skipped),

@@ -88,6 +88,18 @@ def test_regenerated_answer_is_the_targets_greedy_continuation(tiny, data, tmp_p
         assert r["messages"][-1]["content"] == tok.decode(want, skip_special_tokens=False)
 
 
+def test_bad_target_and_data_are_refused_before_any_output(tiny, data, tmp_path, capsys):
+    from extract.regenerate import main
+    out = tmp_path / "out"
+    assert main(["--data", str(data), "--target", str(tmp_path / "none"), "--out", str(out)]) == 2
+    assert "no such directory" in capsys.readouterr().err
+    assert main(["--data", str(tmp_path / "none.jsonl"), "--target", str(tiny["target"]), "--out", str(out)]) == 2
+    assert "no such file or folder" in capsys.readouterr().err
+    assert main(["--data", str(data), "--engine", "openai", "--out", str(out)]) == 2
+    assert "needs --base-url" in capsys.readouterr().err
+    assert not out.exists()
+
+
 def test_resume_with_other_settings_is_refused(tiny, data, tmp_path):
     out = tmp_path / "out"
     run(cfg(tiny, data, out))
@@ -149,11 +161,12 @@ class Handler(BaseHTTPRequestHandler):
         time.sleep(0.05)
         with srv.lock:
             srv.in_flight -= 1
-        if self.path != "/v1/chat/completions" or first:
-            self.send_response(503 if first else 404)
-            self.end_headers()
-            return
         last = [m for m in body["messages"] if m["role"] == "user"][-1]["content"]
+        if self.path != "/v1/chat/completions" or first or last == "refuse me":
+            self.send_response(503 if first else 400 if last == "refuse me" else 404)
+            self.end_headers()
+            self.wfile.write(b'{"error": "prompt too long"}')
+            return
         text = f"echo: {last}"[:40]
         ans = {"choices": [{"message": {"role": "assistant", "content": text},
                             "finish_reason": "length" if "second" in last else "stop"}],
@@ -190,6 +203,25 @@ def test_openai_engine_with_retries_and_bounded_concurrency(data, tmp_path):
     second = [r for r in srv.requests if r["messages"][-1]["content"] == "second"][0]
     assert second["messages"][2]["content"] == "echo: first question"
     assert rows[10]["meta"]["finish_reasons"] == ["stop", "length"] and rows[10]["meta"]["target"].startswith("openai:")
+
+
+def test_rows_that_cannot_be_answered_are_skipped_and_named(tiny, data, tmp_path):
+    """A prompt over --max-prompt-len (local) or one the server refuses with a 4xx (openai) skips
+    that row, counted by reason and named; the run goes on."""
+    s = run(cfg(tiny, data, tmp_path / "local", max_prompt_len=40))
+    assert s["skipped"]["too_long"] >= 1 and s["rows"] + s["skipped"]["too_long"] == 12
+    srv = FakeServer()
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    d = tmp_path / "d.jsonl"
+    d.write_text(json.dumps({"messages": [{"role": "user", "content": "refuse me"}]}) + "\n" + json.dumps(PROMPT_ONLY) + "\n")
+    try:
+        s = run(RegenConfig(data=str(d), out=str(tmp_path / "api"), engine="openai", model="m", progress=False,
+                            base_url=f"http://127.0.0.1:{srv.server_address[1]}/v1"))
+    finally:
+        srv.shutdown()
+    assert s["rows"] == 1 and s["skipped"] == {"server_refused": 1}
+    stats = json.loads((tmp_path / "api" / "part-00000.stats").read_text())
+    assert f"{d} row 0: " in stats["examples"]["server_refused"] and "HTTP 400" in stats["examples"]["server_refused"]
 
 
 def test_openai_engine_gives_up_with_a_clear_error(data, tmp_path):
