@@ -127,7 +127,7 @@ def main():
     t_gpu = w.gpu_done_at - t_start  # every batch computed and on the host; the rest is the drain
     t_bare2 = timed(bare, device)  # again: drift between the first and last measurement
     peak = torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else float("nan")
-    disk = sum(f.stat().st_size for f in store.rglob("*") if f.is_file())
+    disk = st.disk_bytes(store)
     raw = tokens * len(layer_ids) * tcfg.hidden_size * 2
     rows = [("bare forward", t_bare), ("bare forward (again)", t_bare2), ("forward+features", t_feat),
             ("pipeline, GPU side", t_gpu), ("pipeline, store written", t_pipe)]

@@ -28,6 +28,7 @@ import torch
 from shared.cli import parse_json_object
 from shared.dflash import DFlashDraftModel
 from shared.features import capture_layers
+from shared.target import compute_dtype
 
 
 @dataclass
@@ -191,9 +192,7 @@ def prompts_from(data: str, tokenizer, n: int, max_prompt: int, template_kwargs:
 def resolve_device(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
                        ("cpu" if device == "auto" else device))
-    dt = {"auto": torch.bfloat16 if dev.type == "cuda" else torch.float32, "bf16": torch.bfloat16,
-          "fp32": torch.float32}[dtype]
-    return dev, dt
+    return dev, compute_dtype(dtype, dev)
 
 
 def decode_all(target_model, drafter, prompts, max_new: int, eos: int | None, progress: bool = True) -> dict:
@@ -228,12 +227,12 @@ def decode_all(target_model, drafter, prompts, max_new: int, eos: int | None, pr
 def evaluate(target_path: str, drafter_path: str, data: str, n_prompts: int = 16, max_new: int = 64,
              max_prompt: int = 512, progress: bool = True, device: str = "auto", dtype: str = "auto",
              template_kwargs: dict | None = None) -> dict:
-    from shared.target import load_target, load_tokenizer
+    from shared.target import end_of_turn, load_target, load_tokenizer
     dev, dt = resolve_device(device, dtype)
     model = load_target(target_path, dev, dt)
     tok = load_tokenizer(target_path)
     drafter = load_drafter(drafter_path, dev, dt)
-    eos = tok.convert_tokens_to_ids("<|im_end|>") if "<|im_end|>" in tok.get_vocab() else tok.eos_token_id
+    eos = end_of_turn(tok)[1]
     prompts = prompts_from(data, tok, n_prompts, max_prompt, template_kwargs)
     summary = decode_all(model, drafter, prompts, max_new, eos, progress)
     summary.update({"device": str(dev), "dtype": str(dt).removeprefix("torch.")})

@@ -170,17 +170,15 @@ class LocalEngine:
     def __init__(self, cfg: RegenConfig, device: str, model=None, tokenizer=None):
         import torch
 
-        from shared.target import load_target, load_tokenizer
+        from shared.target import compute_dtype, end_of_turn, load_target, load_tokenizer
         self.torch, self.cfg = torch, cfg
         self.device = torch.device(device)
-        dtype = {"auto": torch.bfloat16 if self.device.type == "cuda" else torch.float32,
-                 "bf16": torch.bfloat16, "fp32": torch.float32}[cfg.dtype]
+        dtype = compute_dtype(cfg.dtype, self.device)
         # benchmarks pass a model built in memory; otherwise loaded from cfg.target
         self.model = model if model is not None else load_target(cfg.target, self.device, dtype)
         self.tok = tokenizer if tokenizer is not None else load_tokenizer(cfg.target)
         self.enc = Encoder(self.tok, cfg.max_prompt_len, "skip", cfg.chat_template_kwargs)
-        vocab = self.tok.get_vocab()
-        self.eot = vocab["<|im_end|>"] if "<|im_end|>" in vocab else self.tok.eos_token_id
+        self.eot = end_of_turn(self.tok)[1]
         self.pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.eot
 
     def generate(self, prompts: list[tuple[list[dict], list | None]], seed: int) -> list[Reply]:

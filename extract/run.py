@@ -111,7 +111,7 @@ def finalize(cfg: ExtractConfig, seconds: float) -> dict:
     tokens = sum(m["tokens"] for m in done.values())
     lengths = st.Store(cfg.store, require_complete=False).lengths()
     kept_tokens = tokens - sum(int(lengths[d["sample"]]) for d in dropped)
-    disk = sum(f.stat().st_size for f in Path(cfg.store).rglob("*") if f.is_file())
+    disk = st.disk_bytes(cfg.store)
     raw = tokens * layout.n_layers * layout.hidden * 2  # the same features as uncompressed bf16
     report = man.data.report
     summary = {
@@ -259,7 +259,7 @@ def check_free_space(cfg: ExtractConfig, store: Path, layout: st.Layout, todo: l
 
 def disk_full(store: Path, layout: st.Layout) -> ExtractError:
     done = len(st.done_units(store))
-    on_disk = sum(f.stat().st_size for f in store.rglob("*") if f.is_file())
+    on_disk = st.disk_bytes(store)
     return ExtractError(f"STORE {store}: the disk is full (errno 28, no space left on device) after {done} of "
                         f"{layout.n_units} units ({on_disk / 2**30:,.2f} GiB written). Finished units are kept; "
                         f"free space and rerun the same command to resume")

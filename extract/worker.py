@@ -26,7 +26,7 @@ import torch
 from shared.features import forward_features, pad_batch
 from shared import store as st
 from extract.config import ExtractConfig
-from shared.target import load_target
+from shared.target import compute_dtype, load_target
 
 _STOP = object()
 _TORCH = {"uint16": torch.int16, "uint8": torch.uint8, "int32": torch.int32, "float16": torch.float16,
@@ -150,8 +150,7 @@ class Worker:
         offsets, lengths, rows, files = index["offset"], index["length"], index["row"], index["file"]
         S = self.layout.shard_tokens
         unit_of = offsets // S
-        dtype = {"auto": torch.bfloat16 if dev.type == "cuda" else torch.float32,
-                 "bf16": torch.bfloat16, "fp32": torch.float32}[cfg.dtype]
+        dtype = compute_dtype(cfg.dtype, dev)
         model = self.model if self.model is not None else load_target(cfg.target, dev, dtype)
         cuda = dev.type == "cuda"
         copy_stream = torch.cuda.Stream(dev) if cuda else None

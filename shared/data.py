@@ -20,6 +20,8 @@ from typing import Iterator
 
 import numpy as np
 
+from shared.target import end_of_turn
+
 SUFFIXES = (".jsonl", ".json", ".parquet")
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "system": "system", "tool": "tool", "function": "tool"}
@@ -251,8 +253,7 @@ class Encoder:
         self.tok = tokenizer
         self.max_len, self.too_long = max_len, too_long
         self.template_kwargs = dict(template_kwargs or {})
-        eot = "<|im_end|>" if "<|im_end|>" in tokenizer.get_vocab() else tokenizer.eos_token
-        self.eot = eot or ""
+        self.eot = end_of_turn(tokenizer)[0]
 
     def _apply(self, msgs, where: str, **kw) -> str:
         try:

@@ -247,9 +247,6 @@ class StoreWriter:
         self.root["index/file"][:] = np.asarray(files, dtype=np.int32)
         self.root["index/ok"][:] = np.ones(len(offsets), dtype=np.uint8)
 
-    def write_unit(self, unit: int, arrays: dict[str, np.ndarray], info: dict):
-        write_unit(self, unit, arrays, info)
-
     def mark_dropped(self, samples: list[int]):
         ok = self.root["index/ok"][:]
         ok[np.asarray(samples, dtype=np.int64)] = 0
@@ -497,8 +494,7 @@ class Store:
         return {name.split("/")[1]: self.array(name)[:] for name in INDEX_ARRAYS}
 
     def unit_tokens(self, unit: int) -> np.ndarray:
-        S = self.layout.shard_tokens
-        return self.array("tokens/input_ids")[unit * S:(unit + 1) * S]
+        return self.unit_array("tokens/input_ids", unit)
 
     def unit_array(self, name: str, unit: int) -> np.ndarray:
         """One unit of a token-axis array, as stored (verify's checksums)."""
@@ -516,8 +512,10 @@ class Store:
     def ok_mask(self) -> np.ndarray:
         return self.array("index/ok")[:].astype(bool)
 
-    def feature_arrays(self) -> tuple[str, ...]:
-        return tuple(n for n in self.layout.arrays() if n in FEATURE_ARRAYS)
-
     def disk_bytes(self) -> int:
-        return sum(f.stat().st_size for f in self.path.rglob("*") if f.is_file())
+        return disk_bytes(self.path)
+
+
+def disk_bytes(path: str | Path) -> int:
+    """Bytes a store (or any folder) takes on disk, every file counted."""
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())

@@ -89,6 +89,20 @@ def use_torch_kernels_on_cpu():
     _bound_to_torch = True
 
 
+def compute_dtype(name: str, device: torch.device) -> torch.dtype:
+    """"auto" = bf16 on a GPU, fp32 on the CPU (bf16 is slower than fp32 there); or "bf16"/"fp32"."""
+    return {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32,
+            "bf16": torch.bfloat16, "fp32": torch.float32}[name]
+
+
+def end_of_turn(tokenizer) -> tuple[str, int | None]:
+    """The token that closes an assistant turn: ChatML's <|im_end|> when the vocabulary has it,
+    else the tokenizer's eos. (text, id)."""
+    if "<|im_end|>" in tokenizer.get_vocab():
+        return "<|im_end|>", tokenizer.convert_tokens_to_ids("<|im_end|>")
+    return tokenizer.eos_token or "", tokenizer.eos_token_id
+
+
 def load_tokenizer(path: str | Path):
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(str(path))

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from shared.store import atomic_write_text
+
 
 class TrainingError(RuntimeError):
     """Training cannot go on (non-finite loss or weights, unreadable data): exit non-zero."""
@@ -34,8 +36,7 @@ class Checkpointer:
         tmp = self.dir / (name + ".tmp")
         torch.save(state, tmp)
         os.replace(tmp, self.dir / name)
-        (self.dir / "latest.tmp").write_text(name)
-        os.replace(self.dir / "latest.tmp", self.dir / "latest")
+        atomic_write_text(self.dir / "latest", name)
         for old in sorted(self.dir.glob("step-*.pt"))[:-self.keep]:
             old.unlink()
 

@@ -16,7 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from shared.progress import log
 from shared.store import Store, StoreError
-from shared.target import load_embed_and_head
+from shared.target import compute_dtype, load_embed_and_head
 from train.checkpoint import Checkpointer
 from train.config import ConfigError, DrafterConfig, TrainConfig
 from train.loader import EpochPlan, RowDataset, RowSpec, StepSchedule, make_loader, pack_rows
@@ -83,8 +83,7 @@ def build_run(cfg: TrainConfig, rank: int, world: int, device: torch.device) -> 
     embed, head = load_embed_and_head(target)
     check_store(store, dcfg, embed, head, target, cfg.allow_other_target)
     cuda = device.type == "cuda"
-    dtype = {"auto": torch.bfloat16 if cuda else torch.float32, "bf16": torch.bfloat16,
-             "fp32": torch.float32}[cfg.dtype]
+    dtype = compute_dtype(cfg.dtype, device)
     embed, head = embed.to(device, dtype), head.to(device, dtype)  # frozen, never in the optimizer
     online = None
     if cfg.online:
