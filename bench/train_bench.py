@@ -7,7 +7,9 @@ online (target forward in the step), each measured in one run.
 Sections:
   check   flex_attention (compiled) against SDPA with the dense mask from the same mask
           definition: loss and every gradient, forward and backward, on the device.
-  step    step time and peak memory for --compile attention / full / none at one shape.
+  step    step time, peak memory and compiled-graph counts for --compile blocks (the GPU
+          default) / attention / full / none at one shape, each against full; recompilations in
+          the timed steps (after warm-up) must be 0.
   loader  the real loader (store -> packed rows, parallel decode, pinned prefetch): sustained
           rows/s and feature GB/s, against what one training step consumes.
   online  the same drafter step with the target forward in the loop (online training) against
@@ -31,7 +33,7 @@ from shapes import drafter_27b_config, random_target, target_27b_config  # noqa:
 
 from train.config import DrafterConfig
 from train.mask import sample_anchors
-from train.model import DFlashDrafter, param_count
+from train.model import DFlashDrafter, attention_backend, compile_drafter, compiled_graphs, param_count
 from train.step import StepConfig, forward_loss, train_step
 
 RESULTS: dict = {}
@@ -95,11 +97,10 @@ def check(device):
 # --- step -----------------------------------------------------------------------------------
 
 def make_model(dcfg, mode, device):
-    backend = "flex_compiled" if (mode == "attention" and device.type == "cuda") else (
-        "flex" if device.type == "cuda" else "sdpa")
+    """The drafter as train/run.py builds it for `--compile mode`."""
     torch.manual_seed(0)
-    m = DFlashDrafter(dcfg, backend=backend).to(device)
-    run = torch.compile(m, dynamic=False) if mode == "full" else m
+    m = DFlashDrafter(dcfg, backend=attention_backend("auto", mode, device.type == "cuda")).to(device)
+    run = compile_drafter(m, mode)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-4, betas=(0.9, 0.95), fused=device.type == "cuda")
     return m, run, opt
 
@@ -108,6 +109,7 @@ def time_steps(run, opt, embed, head, batch, steps, autocast, device, warmup=2):
     for _ in range(warmup):
         train_step(run, opt, None, embed, head, [batch], StepConfig.of(run), autocast)
     sync(device)
+    graphs = compiled_graphs()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     t = time.perf_counter()
@@ -116,7 +118,7 @@ def time_steps(run, opt, embed, head, batch, steps, autocast, device, warmup=2):
     sync(device)
     dt = (time.perf_counter() - t) / steps
     peak = torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else float("nan")
-    return dt, peak, float(r["loss_sum"] / r["weight"])
+    return dt, peak, float(r["loss_sum"] / r["weight"]), graphs, compiled_graphs() - graphs
 
 
 def step(device, dcfg, S, A, modes, steps):
@@ -135,21 +137,24 @@ def step(device, dcfg, S, A, modes, steps):
         try:
             m, run, opt = make_model(dcfg, mode, device)
             t0 = time.perf_counter()
-            dt, peak, loss = time_steps(run, opt, embed, head, batch, steps, autocast, device)
-            rows[mode] = {"ms": dt * 1e3, "peak_gib": peak, "loss": loss}
-            print(f"compile {mode:9s}: {dt * 1e3:8.1f} ms/step  peak {peak:6.1f} GiB  "
-                  f"({param_count(m) / 1e9:.2f}B params, {time.perf_counter() - t0:.0f}s incl. compile)", flush=True)
+            dt, peak, loss, graphs, recompiles = time_steps(run, opt, embed, head, batch, steps, autocast, device)
+            rows[mode] = {"ms": dt * 1e3, "peak_gib": peak, "loss": loss, "graphs": graphs, "recompiles": recompiles}
+            print(f"compile {mode:9s}: {dt * 1e3:8.1f} ms/step  peak {peak:6.1f} GiB  {graphs} graphs, "
+                  f"{recompiles} recompiled in the timed steps ({param_count(m) / 1e9:.2f}B params, "
+                  f"{time.perf_counter() - t0:.0f}s incl. compile)", flush=True)
         except torch.OutOfMemoryError as e:
             rows[mode] = {"ms": None, "peak_gib": None, "error": "out of memory"}
             print(f"compile {mode:9s}: OUT OF MEMORY ({str(e).splitlines()[0][:120]})", flush=True)
         finally:
             del m, run, opt
             free()
-    base = rows.get("attention", {}).get("ms")
-    if base:
+    ref = rows.get("full", {}).get("ms")
+    if ref:
         for mode, r in rows.items():
             if r.get("ms"):
-                print(f"  {mode:9s} step time vs attention-only compile: {r['ms'] / base:.2f}x")
+                print(f"  {mode:9s} vs full compile: time {r['ms'] / ref:.3f}x, peak memory "
+                      f"{r['peak_gib'] / rows['full']['peak_gib']:.3f}x")
+    base = rows.get(modes[0], {}).get("ms")
     tokens_s = S / (base / 1e3) if base else None
     RESULTS["step"] = {"shape": {"seq": S, "anchors": A, "block": dcfg.block_size}, "modes": rows,
                        "context_tok_s": tokens_s}
@@ -235,7 +240,7 @@ def online(device, dcfg, S, A, steps, target_layers):
     batch = synth_batch(S, A, len(layer_ids), dcfg.hidden_size, dcfg.vocab_size, device)
     host_hidden = batch["hidden"].cpu().pin_memory() if device.type == "cuda" else batch["hidden"].cpu()
     torch._dynamo.reset()
-    m, run, opt = make_model(dcfg, "attention", device)
+    m, run, opt = make_model(dcfg, "blocks", device)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16)
 
     def target_features():
@@ -278,7 +283,7 @@ def main():
     ap.add_argument("--seq-len", type=int, default=8192)
     ap.add_argument("--anchors", type=int, default=512)
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--modes", default="attention,full,none")
+    ap.add_argument("--modes", default="blocks,attention,full")
     ap.add_argument("--loader-samples", type=int, default=12)
     ap.add_argument("--workers", type=int, default=12)
     ap.add_argument("--target-layers", type=int, default=64)

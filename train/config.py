@@ -233,8 +233,10 @@ class TrainConfig:
     gamma: float = opt(7.0, "loss decay over block slots: weight exp(-(k-1)/gamma)")
     labels: Literal["data", "argmax", "distill"] = opt(
         "data", "data: dataset tokens; argmax: the target's own choice; distill: its top-k distribution + tail")
-    compile: Literal["attention", "full", "none"] = opt(
-        "attention", "torch.compile the flex_attention call only, the whole drafter, or nothing")
+    compile: Literal["auto", "blocks", "attention", "full", "none"] = opt(
+        "auto", "blocks: torch.compile each decoder layer on its own (LM head and loss eager); "
+        "attention: the flex_attention call only; full: the whole drafter; none; auto = blocks on a "
+        "GPU, none on the CPU (small drafters there gain less than the compile costs)")
     attention: Literal["auto", "flex", "sdpa"] = opt("auto", "flex (GPU) or SDPA with the dense mask (CPU)")
     dtype: Literal["auto", "bf16", "fp32"] = opt("auto", "autocast dtype: auto = bf16 on GPU, fp32 on CPU")
     seed: int = opt(0, "seed of the init, the shuffles and the anchors")
@@ -254,7 +256,7 @@ class TrainConfig:
     def validate(self):
         if self.micro_batch < 1 or self.grad_accum < 1 or self.max_anchors < 1:
             raise ConfigError("--micro-batch, --grad-accum and --max-anchors must be positive")
-        for name, allowed in (("labels", ("data", "argmax", "distill")), ("compile", ("attention", "full", "none")),
+        for name, allowed in (("labels", ("data", "argmax", "distill")), ("compile", ("auto", "blocks", "attention", "full", "none")),
                               ("attention", ("auto", "flex", "sdpa")), ("dtype", ("auto", "bf16", "fp32"))):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"--{name} must be one of {', '.join(allowed)}, not {getattr(self, name)!r}")

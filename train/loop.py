@@ -12,6 +12,7 @@ from train.config import TrainConfig
 from train.export import export
 from train.heldout import evaluate
 from train.metrics import Metrics
+from train.model import compiled_graphs
 from train.run import Run, build_run
 from train.setup import init_distributed
 from train.step import train_step
@@ -23,7 +24,8 @@ def train(cfg: TrainConfig) -> dict:
     try:
         run = build_run(cfg, rank, world, device)
         loop(run)
-        return {"step": run.step, "history": run.history, "best": run.best, "out": cfg.out}
+        return {"step": run.step, "history": run.history, "best": run.best, "out": cfg.out,
+                "compiled_graphs": run.graphs, "recompiles": run.recompiles}
     finally:
         if own_group and dist.is_initialized():
             dist.destroy_process_group()
@@ -32,6 +34,7 @@ def train(cfg: TrainConfig) -> dict:
 def loop(run: Run):
     cfg, dev = run.cfg, run.device
     metrics = Metrics(run.out, run.rank, dev, run.total, run.step, run.history, cfg.resume, cfg.progress)
+    first_step = True
     while run.step < run.total:
         epoch, in_epoch = run.schedule.locate(run.step)
         rows, it = run.loader(epoch, in_epoch)
@@ -39,7 +42,12 @@ def loop(run: Run):
             mbs = [{k: v.to(dev, non_blocking=True) for k, v in next_batch(it).items()} for _ in range(cfg.grad_accum)]
             if run.online is not None:
                 mbs = [run.online(mb) for mb in mbs]  # baseline: features from the target, not the store
+            graphs = compiled_graphs()
             r = train_step(run.model, run.opt, run.sched, run.embed, run.head, mbs, run.step_cfg, run.autocast)
+            if first_step:  # the first step compiles; any graph after it is a recompilation
+                first_step, run.graphs = False, compiled_graphs()
+            else:
+                run.recompiles += compiled_graphs() - graphs
             run.step += 1
             if r["finite"]:
                 metrics.add(r)
@@ -62,6 +70,8 @@ def loop(run: Run):
         if cfg.stop_after and run.step >= cfg.stop_after:
             break
     metrics.close()
+    if run.graphs:
+        log(f"compiled graphs: {run.graphs} in the first step, {run.recompiles} recompiled after it")
     if run.rank == 0:
         export(run.drafter, run.out / "export")
     dist.barrier()

@@ -4,6 +4,7 @@ match the public checkpoints, so export is a plain state_dict."""
 
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
 
 from train.attention import attend
@@ -49,3 +50,33 @@ def unwrap(model: nn.Module) -> "DFlashDrafter":
     """The DFlashDrafter inside DDP and/or torch.compile wrappers."""
     inner = model.module if hasattr(model, "module") else model
     return getattr(inner, "_orig_mod", inner)
+
+
+COMPILE_MODES = ("blocks", "attention", "full", "none")
+
+
+def attention_backend(attention: str, compile: str, cuda: bool) -> str:
+    """The attention path a run uses: flex on the GPU (its call compiled on its own under
+    `--compile attention`), SDPA with the dense mask on the CPU (flex has no backward there)."""
+    backend = {"auto": "flex" if cuda else "sdpa", "flex": "flex", "sdpa": "sdpa"}[attention]
+    return "flex_compiled" if backend == "flex" and compile == "attention" else backend
+
+
+def compile_drafter(drafter: DFlashDrafter, mode: str) -> nn.Module:
+    """What the step calls. blocks: each decoder layer compiled on its own, in place (attention
+    fused with its projections, norms and MLP; same-kind layers share one graph; the LM head and
+    the loss stay eager and chunked); full: the whole drafter; attention/none: nothing here
+    (docs/DESIGN.md, "Selective compilation")."""
+    if mode == "full":
+        return torch.compile(drafter, dynamic=False)
+    if mode == "blocks":
+        for layer in drafter.layers:
+            layer.compile(dynamic=False)
+    return drafter
+
+
+def compiled_graphs() -> int:
+    """Graphs dynamo has compiled in this process: constant after the first step when nothing
+    recompiles (shapes are static: rows of seq_len, a fixed anchor count)."""
+    from torch._dynamo.utils import counters
+    return int(counters["stats"]["unique_graphs"])

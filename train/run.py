@@ -20,7 +20,7 @@ from shared.target import compute_dtype, load_embed_and_head
 from train.checkpoint import Checkpointer
 from train.config import ConfigError, DrafterConfig, TrainConfig
 from train.loader import EpochPlan, RowDataset, RowSpec, StepSchedule, make_loader, pack_rows
-from train.model import DFlashDrafter, param_count, score_memory_bytes
+from train.model import DFlashDrafter, attention_backend, compile_drafter, param_count, score_memory_bytes
 from train.setup import check_store, lr_lambda, resolve_config
 from train.step import StepConfig
 
@@ -51,6 +51,8 @@ class Run:
     step: int = 0
     history: list = field(default_factory=list)
     best: dict | None = None
+    graphs: int = 0                    # dynamo graphs compiled by the first step of this process
+    recompiles: int = 0                # graphs compiled by any later step (0 when shapes are static)
 
     @property
     def out(self) -> Path:
@@ -92,18 +94,16 @@ def build_run(cfg: TrainConfig, rank: int, world: int, device: torch.device) -> 
         online = OnlineFeatures(load_target(target, device, dtype), dcfg.target_layer_ids)
 
     # model and optimizer
-    backend = {"auto": "flex" if cuda else "sdpa", "flex": "flex", "sdpa": "sdpa"}[cfg.attention]
-    if backend == "flex" and cfg.compile == "attention":
-        backend = "flex_compiled"
+    mode = cfg.compile if cfg.compile != "auto" else ("blocks" if cuda else "none")
+    backend = attention_backend(cfg.attention, mode, cuda)
     torch.manual_seed(cfg.seed)
     drafter = DFlashDrafter(dcfg, backend=backend).to(device)
     A, Bk = cfg.max_anchors, dcfg.block_size
-    if backend == "flex" and cfg.compile == "none":
+    if backend == "flex" and mode == "none":
         gib = score_memory_bytes(dcfg, cfg.micro_batch, A * Bk, cfg.seq_len + A * Bk) / 2 ** 30
         log(f"warning: --compile none runs flex_attention unfused: about {gib:,.1f} GiB of score matrix "
             f"per layer (docs/DESIGN.md, 'Selective compilation')")
-    model = torch.compile(drafter, dynamic=False) if cfg.compile == "full" else drafter
-    model = DDP(model, device_ids=[device.index] if cuda else None)
+    model = DDP(compile_drafter(drafter, mode), device_ids=[device.index] if cuda else None)
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay, fused=cuda)
 
@@ -135,7 +135,7 @@ def build_run(cfg: TrainConfig, rank: int, world: int, device: torch.device) -> 
         (run.out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2))
     log(f"drafter: {param_count(drafter) / 1e6:,.2f}M params, {dcfg.num_hidden_layers} layers, block "
         f"{dcfg.block_size}, target layers {dcfg.target_layer_ids}; attention {backend}, compile "
-        f"{cfg.compile}; {world} rank(s) on {device.type}; {schedule.steps(0)} steps in epoch 0, {total} steps")
+        f"{mode}; {world} rank(s) on {device.type}; {schedule.steps(0)} steps in epoch 0, {total} steps")
     return run
 
 
