@@ -30,9 +30,14 @@ class ExtractConfig:
     topk: int = opt(16, "top-k of the target's distribution kept per token")
     batch_tokens: int = opt(16384, "padded tokens per forward")
     max_batch: int = opt(64, "sequences per forward")
+    buckets_per_octave: int = opt(8, "padded lengths per doubling of the length (2^k * (1 + j/N), from 64 up) "
+                                     "and power-of-two batch sizes, so the kernels see few shapes; 0: "
+                                     "exact lengths")
+    pow2_batch: bool = opt(False, "round each forward's sequence count down to a power of two (fewer shapes)")
     shard_tokens: int = opt(16384, "tokens per unit (= per shard of every token array)")
     chunk_tokens: int = opt(64, "tokens per compressed chunk of features/hidden")
-    writers: int = opt(3, "units compressed and written in parallel per worker")
+    writers: int = opt(0, "units compressed and written in parallel per worker; 0: the worker's CPU cores "
+                          "minus 2, between 2 and 8")
     queue_units: int = opt(2, "finished units waiting for a writer (bounds host memory)", cli=False)
     dtype: Literal["auto", "bf16", "fp32"] = opt("auto", "compute dtype: auto = bf16 on GPU, fp32 on CPU")
     logit_chunk: int = opt(2048, "tokens per LM-head chunk when computing top-k and lse", cli=False)

@@ -41,7 +41,7 @@ def launch(cfg: ExtractConfig, todo: list[int], layout: st.Layout):
     devices = _devices(cfg)
     world = len(devices)
     per_rank = [[u for u in todo if u % world == r] for r in range(world)]
-    threads = max(1, (os.cpu_count() or 1) // world)
+    threads = max(1, len(os.sched_getaffinity(0)) // world)  # the cores this process may use, per worker
     n_samples = layout.n_samples
     done_samples = sum(m["samples"] for m in st.done_units(cfg.store).values())
     bar = progress_bar(total=n_samples, initial=done_samples, unit=" samples", disable=not cfg.progress,

@@ -26,6 +26,7 @@ import torch
 from shared.features import forward_features, pad_batch
 from shared import store as st
 from extract.config import ExtractConfig
+from shared.progress import log
 from shared.target import compute_dtype, load_target
 
 _STOP = object()
@@ -73,24 +74,50 @@ class UnitPool:
         self.free.put(buf)
 
 
-def plan_batches(items: list[tuple[int, int, int]], batch_tokens: int, max_batch: int):
+def bucket_length(n: int, per_octave: int, cap: int) -> int:
+    """The padded length for a batch whose longest sample has n tokens: the smallest value of
+    the ladder 2^k * (1 + j / per_octave), from 64 up and in steps of at least 16, that is >= n,
+    never above cap (itself one fixed length). per_octave = 0: n itself. At most
+    1 / per_octave of a batch is padding added by the ladder; the kernels see a bounded set of
+    lengths instead of one per distinct sample length (docs/DESIGN.md, "Extraction speed")."""
+    if per_octave <= 0:
+        return n
+    if n <= 64:
+        return min(64, cap) if n <= cap else n
+    k = (n - 1).bit_length() - 1  # 2^k < n <= 2^(k+1)
+    step = max(16, (1 << k) // per_octave)
+    return min(-(-n // step) * step, cap) if n <= cap else n
+
+
+def plan_batches(items: list[tuple[int, int, int]], batch_tokens: int, max_batch: int, per_octave: int = 0,
+                 pow2: bool = False):
     """items: (sample, offset, length). Longest first, so each batch pads little; deterministic,
-    so a resumed unit is computed exactly as an uninterrupted one."""
+    so a resumed unit is computed exactly as an uninterrupted one. Yields (batch, padded length):
+    the length from bucket_length, as many samples as fit in batch_tokens (at most max_batch;
+    with pow2, rounded down to a power of two, for kernels that autotune per batch size)."""
     items = sorted(items, key=lambda x: (-x[2], x[0]))
-    batch = []
-    for it in items:
-        if batch and (len(batch) + 1 > max_batch or (len(batch) + 1) * batch[0][2] > batch_tokens):
-            yield batch
-            batch = []
-        batch.append(it)
-    if batch:
-        yield batch
+    i = 0
+    while i < len(items):
+        S = bucket_length(items[i][2], per_octave, batch_tokens)
+        n = max(1, min(max_batch, batch_tokens // S, len(items) - i))
+        if pow2:
+            n = 1 << (n.bit_length() - 1)
+        yield items[i:i + n], S
+        i += n
+
+
+def writer_threads(cfg: ExtractConfig, cores: int) -> int:
+    """--writers, or from the cores this worker has: compression and checksums release the GIL,
+    so threads scale with cores (bench/host_bench.py); two cores stay for the forward's host
+    work and the collector. Each writer holds one unit buffer (pinned memory on a GPU)."""
+    return cfg.writers if cfg.writers > 0 else max(2, min(8, cores - 2))
 
 
 class Worker:
     def __init__(self, cfg: ExtractConfig, rank: int, world: int, device: torch.device, progress_q=None,
-                 model=None):
+                 model=None, cores: int | None = None):
         self.cfg, self.rank, self.world, self.device = cfg, rank, world, device
+        self.writers = writer_threads(cfg, cores or os.cpu_count() or 1)
         self.progress_q = progress_q
         self.model = model  # benchmarks pass a model built in memory; otherwise loaded from cfg.target
         self.writer = st.StoreWriter(cfg.store)
@@ -102,7 +129,7 @@ class Worker:
         self.error: BaseException | None = None
         self.collect_q: queue.Queue = queue.Queue()
         self.write_q: queue.Queue = queue.Queue()
-        self.pool = UnitPool(self.layout, cfg.writers + cfg.queue_units + 1, pin=device.type == "cuda")
+        self.pool = UnitPool(self.layout, self.writers + cfg.queue_units + 1, pin=device.type == "cuda")
         self.gpu_done_at = 0.0  # when the last batch's features reached the host (benchmarks)
 
     # -- threads ---------------------------------------------------------------------------
@@ -112,7 +139,7 @@ class Worker:
                 fn()
             except BaseException as e:  # surfaced in the main loop
                 self.error = e
-                for _ in range(self.cfg.writers + 2):  # unblock whoever waits on the pool
+                for _ in range(self.writers + 2):  # unblock whoever waits on the pool
                     self.pool.free.put(UnitBuffer({}))
         return run
 
@@ -131,7 +158,7 @@ class Worker:
                 if buf.remaining == 0:
                     self.write_q.put(buf)
             self.gpu_done_at = time.time()
-        for _ in range(self.cfg.writers):
+        for _ in range(self.writers):
             self.write_q.put(_STOP)
 
     def _writer(self):
@@ -154,9 +181,12 @@ class Worker:
         model = self.model if self.model is not None else load_target(cfg.target, dev, dtype)
         cuda = dev.type == "cuda"
         copy_stream = torch.cuda.Stream(dev) if cuda else None
+        gib = self.pool.free.qsize() * self.layout.shard_tokens * self.layout.raw_bytes_per_token() / 2 ** 30
+        log(f"worker {self.rank} on {dev}: {self.writers} writer threads, {self.pool.free.qsize()} unit buffers "
+            f"({gib:,.1f} GiB{' pinned' if cuda else ''})")
 
         threads = [threading.Thread(target=self._guard(self._collector), daemon=True)]
-        threads += [threading.Thread(target=self._guard(self._writer), daemon=True) for _ in range(cfg.writers)]
+        threads += [threading.Thread(target=self._guard(self._writer), daemon=True) for _ in range(self.writers)]
         for t in threads:
             t.start()
         try:
@@ -170,10 +200,11 @@ class Worker:
                     continue
                 unit_ids = self.reader.unit_tokens(u)
                 items = [(int(i), int(offsets[i]) - u * S, int(lengths[i])) for i in members]
-                for batch in plan_batches(items, cfg.batch_tokens, cfg.max_batch):
+                for batch, padded in plan_batches(items, cfg.batch_tokens, cfg.max_batch, cfg.buckets_per_octave,
+                                                   cfg.pow2_batch):
                     if self.error:
                         raise self.error
-                    self._batch(model, buf, batch, unit_ids, files, rows, copy_stream)
+                    self._batch(model, buf, batch, padded, unit_ids, files, rows, copy_stream)
         finally:
             self.collect_q.put(_STOP)
             for t in threads:
@@ -181,10 +212,10 @@ class Worker:
         if self.error:
             raise self.error
 
-    def _batch(self, model, buf: UnitBuffer, batch, unit_ids, files, rows, copy_stream):
+    def _batch(self, model, buf: UnitBuffer, batch, padded: int, unit_ids, files, rows, copy_stream):
         dev = self.device
         seqs = [torch.from_numpy(unit_ids[lo:lo + n].astype(np.int64)) for _, lo, n in batch]
-        ids, att = pad_batch(seqs, self.pad_id)
+        ids, att = pad_batch(seqs, self.pad_id, padded)
         ns = [n for _, _, n in batch]
         hidden, idx, logp, lse, ok = forward_features(
             model, ids.to(dev, non_blocking=True), att.to(dev, non_blocking=True), ns, self.layer_ids,
@@ -224,7 +255,7 @@ def worker_main(cfg: ExtractConfig, rank: int, world: int, device: str, units: l
         torch.set_num_threads(max(1, threads))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
-        Worker(cfg, rank, world, torch.device(device), progress_q).run(units)
+        Worker(cfg, rank, world, torch.device(device), progress_q, cores=threads).run(units)
     except OSError as e:
         if e.errno == errno.ENOSPC and world > 1:  # the parent turns this exit code into its message
             raise SystemExit(errno.ENOSPC) from None

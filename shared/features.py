@@ -7,6 +7,7 @@ host or the store.
 
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 
 import torch
@@ -34,8 +35,13 @@ def capture_layers(model, layer_ids: list[int]):
             h.remove()
 
 
-def pad_batch(seqs: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+def pad_batch(seqs: list[torch.Tensor], pad_id: int, length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded (B, length) ids and attention mask; length defaults to the longest."""
     S = max(len(s) for s in seqs)
+    if length is not None:
+        if length < S:
+            raise ValueError(f"padded length {length} < longest sequence {S}")
+        S = length
     ids = torch.full((len(seqs), S), pad_id, dtype=torch.long)
     att = torch.zeros((len(seqs), S), dtype=torch.long)
     for b, s in enumerate(seqs):
@@ -47,6 +53,39 @@ def pad_batch(seqs: list[torch.Tensor], pad_id: int) -> tuple[torch.Tensor, torc
 def valid_index(lengths: list[int], S: int) -> torch.Tensor:
     """Flat positions of the real tokens of a right-padded (B, S) batch, in sample order."""
     return torch.cat([torch.arange(n) + b * S for b, n in enumerate(lengths)])
+
+
+def logsumexp_fp32(logits: torch.Tensor) -> torch.Tensor:
+    """(n, V) logits in the model's dtype -> (n,) float32 log-sum-exp. Compiled, this is one
+    fused reduction that reads the logits twice in their own dtype; eager it materialises a
+    float32 copy (what torch.logsumexp(logits.float()) does)."""
+    x = logits.float()
+    m = x.amax(dim=-1, keepdim=True)
+    return (m + (x - m).exp().sum(dim=-1, keepdim=True).log()).squeeze(-1)
+
+
+@functools.cache
+def _compiled_lse():
+    return torch.compile(logsumexp_fp32, dynamic=True)
+
+
+def logit_features(last: torch.Tensor, head: torch.Tensor, topk: int, chunk: int, fused: bool | None = None):
+    """Top-k ids, their log-probs (float32) and the lse (float32) of last @ head.T, chunked so
+    the full (T, V) never exists. Top-k runs on the logits in the model's dtype (the cast to
+    float32 is exact and monotonic: the same values, half the bytes to select from); the lse is
+    the compiled reduction on a GPU (fused=None), eager elsewhere (docs/DESIGN.md, "Extraction
+    speed")."""
+    fused = last.device.type == "cuda" if fused is None else fused
+    lse_fn = _compiled_lse() if fused else (lambda x: torch.logsumexp(x.float(), dim=-1))
+    vals, inds, lses = [], [], []
+    for lo in range(0, last.shape[0], chunk):
+        logits = last[lo:lo + chunk] @ head.T
+        lse = lse_fn(logits)
+        v, i = logits.topk(topk, dim=-1)
+        vals.append(v.float() - lse[:, None])
+        inds.append(i)
+        lses.append(lse)
+    return torch.cat(inds), torch.cat(vals), torch.cat(lses)
 
 
 @torch.no_grad()
@@ -61,19 +100,10 @@ def forward_features(model, ids: torch.Tensor, att: torch.Tensor, lengths: list[
         out = model.model(input_ids=ids, attention_mask=att, use_cache=False)
     hidden = torch.stack([got[i].reshape(B * S, -1).index_select(0, idx) for i in layer_ids], dim=1)
     last = out.last_hidden_state.reshape(B * S, -1).index_select(0, idx)
-    head = model.lm_head.weight
-    vals, inds, lses = [], [], []
-    for lo in range(0, last.shape[0], logit_chunk):
-        logits = (last[lo:lo + logit_chunk] @ head.T).float()  # chunked: the full (T, V) never exists
-        lse = torch.logsumexp(logits, dim=-1)
-        v, i = logits.topk(topk, dim=-1)
-        vals.append(v - lse[:, None])
-        inds.append(i)
-        lses.append(lse)
-    lse = torch.cat(lses)
+    inds, vals, lse = logit_features(last, model.lm_head.weight, topk, logit_chunk)
     # One flag per sample: every hidden value and the lse finite.
     tok_ok = torch.isfinite(hidden).flatten(1).all(dim=1) & torch.isfinite(lse)
     seg = torch.repeat_interleave(torch.arange(B, device=device),
                                   torch.tensor(lengths, device=device))
     bad = torch.zeros(B, device=device).index_add_(0, seg, (~tok_ok).float())
-    return hidden, torch.cat(inds), torch.cat(vals), lse, bad == 0
+    return hidden, inds, vals, lse, bad == 0

@@ -97,6 +97,11 @@ class Layout:
     def capacity(self) -> int:
         return self.n_units * self.shard_tokens
 
+    def raw_bytes_per_token(self) -> int:
+        """Uncompressed bytes of one token's feature arrays (what a unit buffer holds per token)."""
+        return sum(int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+                   for name, (shape, dtype) in self.arrays().items() if name in FEATURE_ARRAYS)
+
     def arrays(self) -> dict[str, tuple[tuple[int, ...], str]]:
         """name -> (per-token shape, dtype) for every token-axis array."""
         L, H, K = self.n_layers, self.hidden, self.topk
@@ -233,6 +238,15 @@ class StoreWriter:
         self.root = root if root is not None else zarr.open_group(store=str(self.path), mode="r+")
         self.manifest = Manifest.from_dict(self.root.attrs["dflash"], str(self.path))
         self.layout: Layout = self.manifest.layout
+        self._features: dict[str, zarr.Array] = {}
+
+    def feature_array(self, name: str) -> zarr.Array:
+        """A feature array opened once, writing every chunk of a whole-shard write: zarr's
+        default scans each chunk for all-zeros first, a full extra pass that cost ~40% of the
+        write rate (bench/host_bench.py); a unit's zero tail compresses to almost nothing."""
+        if name not in self._features:
+            self._features[name] = self.root[name].with_config({"write_empty_chunks": True})
+        return self._features[name]
 
     def write_tokens(self, unit: int, ids: np.ndarray, mask: np.ndarray):
         """One unit's token ids and loss mask: one whole shard per array."""
@@ -358,7 +372,7 @@ def write_unit(w: StoreWriter, unit: int, arrays: dict[str, np.ndarray], info: d
     checks = {}
     for name, data in arrays.items():
         assert data.shape[0] == w.layout.shard_tokens, (name, data.shape)
-        w.root[name][lo:hi] = data
+        w.feature_array(name)[lo:hi] = data
         checks[name] = crc(data)
     info = {**info, "unit": unit, "crc32": checks}
     # the marker appears only after every shard of the unit is written

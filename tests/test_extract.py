@@ -16,7 +16,8 @@ import torch
 from conftest import extract_cfg, read_all
 from extract.plan import assign_units
 from extract.run import ExtractError, run
-from shared.features import forward_features
+from extract.worker import bucket_length
+from shared.features import forward_features, pad_batch
 from shared import store as st
 from shared.target import load_target
 
@@ -48,9 +49,11 @@ def test_round_trip_equals_target_output_bf16_exact(tiny, reference):
     assert layer_ids == [0, 1, 3]
     for i in (0, 5, len(s) - 1):
         sample = s.read(i)
-        ids = sample.input_ids[None]
-        hidden, idx, logp, lse, ok = forward_features(model, ids, torch.ones_like(ids), [ids.shape[1]],
-                                                      layer_ids, topk=8)
+        # the worker pads each forward to a bucketed length (tests/test_features.py checks that
+        # padding leaves features alone); the same padded forward gives the same bytes
+        n = len(sample.input_ids)
+        ids, att = pad_batch([sample.input_ids], 0, bucket_length(n, 8, 1024))
+        hidden, idx, logp, lse, ok = forward_features(model, ids, att, [n], layer_ids, topk=8)
         assert torch.equal(sample.hidden.view(torch.int16), hidden.bfloat16().view(torch.int16))
         assert torch.equal(sample.topk_idx, idx)
         assert torch.equal(sample.lse, lse)
@@ -100,9 +103,11 @@ def test_two_workers_write_one_store_identically(tiny, reference, tmp_path):
         assert np.array_equal(ref[k], got[k]), k
 
 
-def test_batched_store_matches_single_to_bf16_rounding(tiny, reference, tmp_path):
+@pytest.mark.parametrize("kw", [dict(), dict(pow2_batch=True), dict(buckets_per_octave=0)],
+                         ids=["buckets", "buckets+pow2", "exact-lengths"])
+def test_batched_store_matches_single_to_bf16_rounding(tiny, reference, tmp_path, kw):
     store = tmp_path / "batched"
-    run(extract_cfg(tiny, store, max_batch=16))
+    run(extract_cfg(tiny, store, max_batch=16, **kw))
     a, b = st.Store(reference[0]), st.Store(store)
     for i in range(len(a)):
         x, y = a.read(i), b.read(i)

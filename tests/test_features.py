@@ -6,7 +6,7 @@ import sys
 
 import torch
 
-from shared.features import forward_features, pad_batch
+from shared.features import forward_features, logit_features, pad_batch
 from shared.target import load_target
 
 
@@ -55,7 +55,7 @@ def test_batched_with_padding_equals_one_at_a_time(tiny):
     model = _model(tiny)
     torch.manual_seed(1)
     seqs = [torch.randint(0, 500, (n,)) for n in (41, 7, 64, 23)]
-    ids, att = pad_batch(seqs, pad_id=0)
+    ids, att = pad_batch(seqs, pad_id=0, length=80)  # a bucketed length: 16 more pad columns
     layers = [0, 1, 3]
     hb, ib, lb, eb, _ = forward_features(model, ids, att, [len(s) for s in seqs], layers, topk=4)
     pos = 0
@@ -90,3 +90,53 @@ def test_nan_features_flag_the_sample(tiny):
     finally:
         h.remove()
     assert ok.tolist() == [True, False]
+
+
+def test_fused_topk_and_lse_against_full_logits():
+    """The GPU path (top-k on the model-dtype logits, compiled lse) run on the CPU, where
+    inductor compiles the same reduction: against log_softmax of the full float32 logits, for
+    bf16 and fp32 and a chunk that does not divide the tokens."""
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16):
+        last = torch.randn(70, 48, generator=g).to(dtype)
+        head = (torch.randn(1000, 48, generator=g) * 0.5).to(dtype)
+        full = (last @ head.T).float()  # the model-dtype logits, cast exactly
+        ref_lse = torch.logsumexp(full, -1)
+        for fused in (False, True):
+            idx, logp, lse = logit_features(last, head, 8, chunk=32, fused=fused)
+            torch.testing.assert_close(lse, ref_lse, rtol=1e-6, atol=1e-5)
+            assert lse.dtype == logp.dtype == torch.float32
+            # the same values; ties (common in bf16) may order differently: compare the values
+            # and check every chosen id's own log-prob
+            ref_v = (full - ref_lse[:, None]).topk(8, dim=-1).values
+            torch.testing.assert_close(logp, ref_v, rtol=1e-6, atol=1e-5)
+            got = (full - ref_lse[:, None]).gather(1, idx)
+            torch.testing.assert_close(got, logp, rtol=1e-6, atol=1e-5)
+            assert len({tuple(r) for r in idx.sort(dim=1).values.tolist()}) > 1
+
+
+def test_bucketed_batches_cover_every_sample_with_few_shapes():
+    """A long-tailed length mix: each sample in exactly one batch, the padded length on the
+    ladder and >= its longest sample, the budget kept, and far fewer shapes than lengths."""
+    import random
+    from extract.worker import bucket_length, plan_batches
+    rnd = random.Random(0)
+    lengths = [max(5, min(8192, int(rnd.lognormvariate(5.5, 1.2)))) for _ in range(3000)]
+    items = [(i, 0, n) for i, n in enumerate(lengths)]
+    ladder = {bucket_length(n, 8, 16384) for n in range(1, 16385)}
+    assert len(ladder) <= 8 * 8 + 2 and all(v % 16 == 0 for v in ladder)
+    for n in (1, 63, 64, 65, 1000, 8192, 16384):
+        b = bucket_length(n, 8, 16384)
+        assert n <= b <= max(64, n * 9 / 8 + 16) and b in ladder
+    for pow2 in (False, True):
+        seen, shapes = [], set()
+        for batch, S in plan_batches(items, 16384, 64, 8, pow2):
+            assert S == bucket_length(max(n for *_, n in batch), 8, 16384)
+            assert len(batch) * S <= 16384 or len(batch) == 1
+            assert not pow2 or len(batch) & (len(batch) - 1) == 0
+            seen += [i for i, *_ in batch]
+            shapes.add((len(batch), S))
+        assert sorted(seen) == list(range(len(items)))
+        assert len(shapes) < len(set(lengths)) / 5, (len(shapes), len(set(lengths)))
+    exact = {S for _, S in plan_batches(items, 16384, 64, 0)}
+    assert exact <= set(lengths)  # 0 buckets: each batch padded to its own longest sample

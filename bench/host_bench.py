@@ -1,0 +1,144 @@
+"""The extraction host side on its own: how many raw bf16 feature bytes per second the writer
+threads compress, checksum and write as whole units, and how many CPU cores that takes.
+
+    python bench/host_bench.py --threads 1,2,4,8,12,16 --units 24          # H200 host (16 cores)
+    python bench/host_bench.py --threads 1,2 --units 4 --layers 2 --hidden 1024   # CPU smoke run
+
+Each row writes the same units (synthetic features with the magnitude structure of hidden states:
+a few outlier channels, the rest near N(0, 1)) through `shared.store.write_unit`, the call the
+extraction writers make, with W threads. Goal (issue 11): >= 2 GB/s of raw bf16 features per GPU
+with the cores one GPU has on an 8-GPU host. "cores busy" = process CPU time / wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import resource
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+from shapes import synthetic_manifest  # noqa: E402  (adds the repo to sys.path)
+
+from extract.config import ExtractConfig
+from extract.plan import write_plan
+from shared import store as st
+from shared.data import Encoded
+
+
+def cpu_seconds() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def unit_arrays(layout: st.Layout, seed: int) -> dict[str, np.ndarray]:
+    """One unit of every feature array, in the layout's shapes and dtypes."""
+    rng = np.random.default_rng(seed)
+    S, H = layout.shard_tokens, layout.hidden
+    scale = np.ones(H, dtype=np.float32)
+    scale[rng.choice(H, max(1, H // 256), replace=False)] = 40.0  # outlier channels
+    out = {}
+    for name, (shape, dtype) in layout.arrays().items():
+        if name not in st.FEATURE_ARRAYS:
+            continue
+        if shape[-1:] == (H,):  # the hidden states: bf16 bits (truncated from float32)
+            h = rng.standard_normal((S, *shape), dtype=np.float32) * scale
+            out[name] = (h.view(np.uint32) >> 16).astype(np.uint16)
+        elif np.dtype(dtype).kind == "i":
+            out[name] = rng.integers(0, 248_320, (S, *shape), dtype=dtype)
+        else:
+            out[name] = -np.abs(rng.standard_normal((S, *shape))).astype(dtype)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", default="1,2,4,8")
+    ap.add_argument("--units", type=int, default=12, help="units written per row")
+    ap.add_argument("--layers", type=int, default=5)
+    ap.add_argument("--hidden", type=int, default=5120)
+    ap.add_argument("--shard-tokens", type=int, default=16384)
+    ap.add_argument("--codec", default="zstd1")
+    ap.add_argument("--precision", default="bf16")
+    ap.add_argument("--goal-gbs", type=float, default=2.0)
+    ap.add_argument("--dir", default=None)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    tmp = Path(a.dir or tempfile.mkdtemp(prefix="hbench-"))
+    S = a.shard_tokens
+    cfg = ExtractConfig(data="synthetic", target="in-memory", store="", max_len=S, precision=a.precision,
+                        codec=a.codec, topk=16, batch_tokens=S, shard_tokens=S, progress=False)
+    n_units = a.units
+    enc = [Encoded(np.zeros(S, dtype=np.int32), np.ones(S, dtype=np.uint8), 0, i) for i in range(n_units)]
+    template = None
+    rows = []
+    print(f"units of {S} tokens x {a.layers} layers x {a.hidden} ({a.precision}/{a.codec}); "
+          f"{os.cpu_count()} CPUs visible; {n_units} units per row")
+    print(f"{'threads':>8s}{'raw GB/s':>10s}{'cores busy':>12s}{'GB/s per core':>15s}{'disk GB/s':>11s}")
+    for W in [int(x) for x in a.threads.split(",")]:
+        store = tmp / f"store-{W}"
+        shutil.rmtree(store, ignore_errors=True)
+        shutil.rmtree(store.with_name(store.name + ".partial"), ignore_errors=True)
+        cfg.store = str(store)
+        man = synthetic_manifest(cfg, a.hidden, a.layers, 248_320, list(range(a.layers)), n_units)
+        write_plan(cfg, man, enc, a.layers, a.hidden)
+        layout = st.read_manifest(store).layout
+        if template is None:
+            template = [unit_arrays(layout, s) for s in range(min(4, n_units))]
+        w = st.StoreWriter(store)
+        if layout.precision == "fp8":
+            raise SystemExit("fp8: give --precision bf16 (the goal is stated for raw bf16 features)")
+        q: queue.Queue = queue.Queue()
+        for u in range(n_units):
+            q.put(u)
+
+        errors = []
+
+        def writer():
+            while not errors:
+                try:
+                    u = q.get_nowait()
+                except queue.Empty:
+                    return
+                try:
+                    st.write_unit(w, u, template[u % len(template)], {"samples": 1, "tokens": S, "dropped": []})
+                except BaseException as e:  # a failed write must not read as a fast one
+                    errors.append(e)
+
+        threads = [threading.Thread(target=writer) for _ in range(W)]
+        c0, t0 = cpu_seconds(), time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall, cpu = time.perf_counter() - t0, cpu_seconds() - c0
+        if errors:
+            raise errors[0]
+        raw = n_units * S * a.layers * a.hidden * 2
+        disk = st.disk_bytes(store)
+        r = {"threads": W, "raw_gbs": raw / wall / 1e9, "cores_busy": cpu / wall,
+             "gbs_per_core": raw / cpu / 1e9, "disk_gbs": disk / wall / 1e9, "ratio": raw / disk}
+        rows.append(r)
+        print(f"{W:8d}{r['raw_gbs']:10.2f}{r['cores_busy']:12.1f}{r['gbs_per_core']:15.3f}{r['disk_gbs']:11.2f}",
+              flush=True)
+        shutil.rmtree(store, ignore_errors=True)
+    best = max(rows, key=lambda r: r["raw_gbs"])
+    per_core = np.median([r["gbs_per_core"] for r in rows])
+    print(f"best {best['raw_gbs']:.2f} GB/s with {best['threads']} threads ({best['cores_busy']:.1f} cores busy); "
+          f"at {per_core:.3f} GB/s per busy core, {a.goal_gbs} GB/s needs about {a.goal_gbs / per_core:.1f} cores; "
+          f"compression {rows[0]['ratio']:.3f}x")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"rows": rows, "cores_for_goal": a.goal_gbs / per_core}, indent=2))
+    if a.dir is None:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
