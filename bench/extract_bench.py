@@ -1,20 +1,36 @@
-"""Extraction throughput against the bare target forward over the same batches, in one run.
+"""Extraction throughput against the bare target forward over the same batches, in one process.
 
-    python bench/extract_bench.py --shape 27b --seq-len 8192 --seqs 24     # H200 (device tool)
-    python bench/extract_bench.py --shape tiny --seq-len 1024 --seqs 64    # CPU
+    python bench/extract_bench.py --shape 27b --seq-len 8192 --seqs 16             # H200, fixed lengths
+    python bench/extract_bench.py --shape 27b --layers 16 --lengths chat --tokens 600000 \
+        --runs 8:cold,8:warm,0:cold                                                # H200, a chat length mix
+    python bench/extract_bench.py --shape tiny --seq-len 1024 --seqs 64            # CPU
 
-Rows:
-  bare forward      model.model(ids, attention_mask) only, synchronised per batch
-  forward+features  the same plus hook capture, LM head top-k/lse, pad removal (no copies out)
-  pipeline          the real extraction worker: features, D2H, compression, zarr writes, markers
-ratio = pipeline tok/s / bare forward tok/s (goal >= 0.9 on the GPU).
+Rows (all over the batches the worker itself plans: bucketed lengths, same sizes):
+  body forward          model.model(ids, attention_mask) only (no LM head)
+  target forward        the body plus the LM head's logits for every real token (what a causal LM's
+                        forward computes; chunked), no top-k: the baseline the ratios use
+  forward+features      the worker's forward_features: hooks, pad removal, LM head, top-k, lse
+  pipeline, GPU side    the real worker (planner's store, its batching, D2H, compression, zarr
+                        writes, markers) until the last batch's features reached the host
+  pipeline, store written   the same until every unit is written (includes the final drain)
+
+--lengths chat draws lengths from a long-tailed chat distribution (log-normal, median 600 tokens,
+16 .. --seq-len) and runs each of --runs in its own process: "B:cold" = --buckets-per-octave B with
+an empty Triton cache (the first run on a machine: every kernel compiled and autotuned while the
+pipeline runs, and counted), "B:warm" = the same with the cache the cold run left. In each process
+the pipeline runs first, so a cold run pays its compilation inside the pipeline's time; the
+baselines run after it, warm.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -24,23 +40,19 @@ import torch
 
 from shapes import random_target, synthetic_manifest, target_27b_config  # noqa: E402  (adds the repo to sys.path)
 
+from extract.config import ExtractConfig
 from extract.plan import write_plan
-from shared.data import Encoded
-from shared.features import forward_features, pad_batch
 from extract.worker import Worker, plan_batches
 from shared import store as st
-from extract.config import ExtractConfig
+from shared.data import Encoded
+from shared.features import forward_features, logit_features, pad_batch, valid_index
+from shared.progress import log
 from shared.target import default_layer_ids
 
 
 def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def batches(lengths, cfg):
-    items = [(i, 0, n) for i, n in enumerate(lengths)]
-    return list(plan_batches(items, cfg.batch_tokens, cfg.max_batch))
 
 
 def timed(fn, device):
@@ -51,36 +63,30 @@ def timed(fn, device):
     return time.perf_counter() - t
 
 
-def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--shape", choices=("27b", "tiny"), default="tiny")
-    ap.add_argument("--layers", type=int, default=64, help="target layers (27b shape)")
-    ap.add_argument("--seq-len", type=int, default=8192)
-    ap.add_argument("--seqs", type=int, default=16)
-    ap.add_argument("--batch-tokens", type=int, default=8192)
-    ap.add_argument("--precision", default="bf16")
-    ap.add_argument("--codec", default="zstd1")
-    ap.add_argument("--writers", type=int, default=3)
-    ap.add_argument("--shard-tokens", type=int, default=16384)
-    ap.add_argument("--dir", default=None, help="where the store is written (default: a temp dir)")
-    ap.add_argument("--json", default=None)
-    a = ap.parse_args()
+def chat_lengths(tokens: int, max_len: int, seed: int = 0) -> list[int]:
+    """Log-normal lengths (median 600, sigma 1.1: tens of tokens to the 8k cap), until `tokens`."""
+    rng = np.random.default_rng(seed)
+    out, total = [], 0
+    while total < tokens:
+        n = int(np.clip(rng.lognormal(np.log(600), 1.1), 16, max_len))
+        out.append(n)
+        total += n
+    return out
 
+
+def measure(a) -> dict:
+    """One process: build the target, plan the store, run the worker, then the baselines."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    if a.shape == "27b":
-        tcfg = target_27b_config(a.layers)
-    else:
-        from shared.tiny import tiny_config
-        tcfg = tiny_config(2048)
+    tcfg = target_27b_config(a.layers) if a.shape == "27b" else __import__("shared.tiny", fromlist=["x"]).tiny_config(2048)
     t0 = time.time()
     model = random_target(tcfg, device, dtype)
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"target {a.shape}: {n_params / 1e9:.2f}B params, built in {time.time() - t0:.0f}s on {device}", flush=True)
+    log(f"target {a.shape}: {n_params / 1e9:.2f}B params, built in {time.time() - t0:.0f}s on {device}")
     L = tcfg.num_hidden_layers
     layer_ids = default_layer_ids(L, 5)
+    lengths = chat_lengths(a.tokens, a.seq_len) if a.lengths == "chat" else [a.seq_len] * a.seqs
     g = torch.Generator().manual_seed(0)
-    lengths = [a.seq_len] * a.seqs
     enc = [Encoded(torch.randint(0, tcfg.vocab_size, (n,), generator=g).numpy().astype(np.int32),
                    np.ones(n, dtype=np.uint8), 0, i) for i, n in enumerate(lengths)]
     tmp = Path(a.dir or tempfile.mkdtemp(prefix="xbench-"))
@@ -88,67 +94,167 @@ def main():
     shutil.rmtree(store, ignore_errors=True)
     cfg = ExtractConfig(data="synthetic", target="in-memory", store=str(store), layer_ids=layer_ids,
                         max_len=a.seq_len, precision=a.precision, codec=a.codec, topk=16,
-                        batch_tokens=a.batch_tokens, shard_tokens=max(a.shard_tokens, a.seq_len),
-                        writers=a.writers, progress=False)
+                        batch_tokens=max(a.batch_tokens, a.seq_len), shard_tokens=max(a.shard_tokens, a.seq_len),
+                        writers=a.writers, buckets_per_octave=a.buckets, pow2_batch=a.pow2, progress=False)
     manifest = synthetic_manifest(cfg, tcfg.hidden_size, L, tcfg.vocab_size, layer_ids, len(enc))
     write_plan(cfg, manifest, enc, len(layer_ids), tcfg.hidden_size)
-    bs = batches(lengths, cfg)
-    tensors = []
-    for b in bs:
-        ids, att = pad_batch([torch.from_numpy(enc[i].input_ids.astype(np.int64)) for i, _, _ in b], 0)
-        tensors.append((ids.to(device), att.to(device), [n for _, _, n in b]))
     tokens = sum(lengths)
+    cores = len(os.sched_getaffinity(0))
 
-    # warm-up (kernel autotuning) outside every timing
-    with torch.no_grad():
-        ids, att, ns = tensors[0]
-        model.model(input_ids=ids, attention_mask=att, use_cache=False)
-        forward_features(model, ids, att, ns, layer_ids, 16)
-    sync(device)
+    # 1. the real worker first: a cold run compiles and autotunes inside this timing
+    w = Worker(cfg, 0, 1, device, model=model, cores=cores)
+    layout = st.Store(store, require_complete=False).layout
+    t_start = time.time()
+    t_pipe = timed(lambda: w.run(list(range(layout.n_units))), device)
+    t_gpu = w.gpu_done_at - t_start
+    disk = st.disk_bytes(store)
 
-    def bare():
+    # 2. the baselines over the same batches the worker planned, warm
+    index = st.Store(store, require_complete=False).index()
+    S = layout.shard_tokens
+    unit_of = index["offset"] // S
+    tensors, shapes = [], set()
+    for u in range(layout.n_units):
+        members = np.nonzero(unit_of == u)[0]
+        items = [(int(i), int(index["offset"][i]) - u * S, int(index["length"][i])) for i in members]
+        for batch, padded in plan_batches(items, cfg.batch_tokens, cfg.max_batch, cfg.buckets_per_octave, cfg.pow2_batch):
+            ids, att = pad_batch([torch.from_numpy(enc[i].input_ids.astype(np.int64)) for i, _, _ in batch], 0, padded)
+            tensors.append((ids.to(device), att.to(device), [n for _, _, n in batch]))
+            shapes.add(tuple(ids.shape))
+    head = model.lm_head.weight
+
+    def body():
         with torch.no_grad():
             for ids, att, _ in tensors:
                 model.model(input_ids=ids, attention_mask=att, use_cache=False)
                 sync(device)
 
+    def target():
+        with torch.no_grad():
+            for ids, att, ns in tensors:
+                out = model.model(input_ids=ids, attention_mask=att, use_cache=False).last_hidden_state
+                last = out.reshape(-1, out.shape[-1]).index_select(0, valid_index(ns, ids.shape[1]).to(device))
+                for lo in range(0, last.shape[0], cfg.logit_chunk):
+                    last[lo:lo + cfg.logit_chunk] @ head.T
+                sync(device)
+
     def feats():
         with torch.no_grad():
             for ids, att, ns in tensors:
-                forward_features(model, ids, att, ns, layer_ids, 16)
+                forward_features(model, ids, att, ns, layer_ids, 16, cfg.logit_chunk)
                 sync(device)
 
-    t_bare = timed(bare, device)
-    t_feat = timed(feats, device)
-    w = Worker(cfg, 0, 1, device, model=model)
-    units = list(range(st.Store(store, require_complete=False).layout.n_units))
-    t_start = time.time()
-    t_pipe = timed(lambda: w.run(units), device)
-    t_gpu = w.gpu_done_at - t_start  # every batch computed and on the host; the rest is the drain
-    t_bare2 = timed(bare, device)  # again: drift between the first and last measurement
+    feats()  # warm (the worker already was)
+    t_body, t_target, t_feat = timed(body, device), timed(target, device), timed(feats, device)
+    t_body2, t_target2 = timed(body, device), timed(target, device)  # drift between first and last
+
+    # 3. the LM head alone on one chunk: matmul, the old float32 top-k/lse, the new path
+    head_ms = {}
+    if device.type == "cuda":
+        x = torch.randn(cfg.logit_chunk, tcfg.hidden_size, device=device, dtype=dtype)
+
+        def old():
+            logits = (x @ head.T).float()
+            lse = torch.logsumexp(logits, dim=-1)
+            v, i = logits.topk(16, dim=-1)
+            return v - lse[:, None], i
+
+        for name, fn in (("matmul only", lambda: x @ head.T), ("float32 top-k + lse (before)", old),
+                         ("model-dtype top-k + compiled lse", lambda: logit_features(x, head, 16, cfg.logit_chunk))):
+            for _ in range(3):
+                fn()
+            head_ms[name] = timed(lambda: [fn() for _ in range(20)], device) / 20 * 1e3
     peak = torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else float("nan")
-    disk = st.disk_bytes(store)
-    raw = tokens * len(layer_ids) * tcfg.hidden_size * 2
-    rows = [("bare forward", t_bare), ("bare forward (again)", t_bare2), ("forward+features", t_feat),
-            ("pipeline, GPU side", t_gpu), ("pipeline, store written", t_pipe)]
-    base = min(t_bare, t_bare2)
-    print(f"\n{tokens:,} tokens in {len(bs)} batches of <= {a.batch_tokens} tokens, seq {a.seq_len}, "
-          f"layers {layer_ids}, {a.precision}/{a.codec}, {a.writers} writer threads, units of {cfg.shard_tokens} "
-          f"tokens ({len(units)} units; the last unit's write cannot overlap any forward)")
-    print(f"{'':28s}{'seconds':>9s}{'tok/s':>11s}{'vs bare':>9s}")
-    for name, t in rows:
-        print(f"{name:28s}{t:9.2f}{tokens / t:11,.0f}{base / t:9.3f}")
-    print(f"raw bf16 features {raw / 2**30:.2f} GiB -> {disk / 2**30:.2f} GiB on disk "
-          f"({raw / disk:.3f}x), {disk / tokens:,.0f} B/token, raw feature rate at bare speed "
-          f"{raw / base / 1e6:,.0f} MB/s; peak GPU memory {peak:.1f} GiB")
-    res = {"shape": a.shape, "params_b": n_params / 1e9, "tokens": tokens, "seq_len": a.seq_len,
-           "bare_tok_s": tokens / base, "features_tok_s": tokens / t_feat, "pipeline_tok_s": tokens / t_pipe, "pipeline_gpu_side_tok_s": tokens / t_gpu,
-           "ratio": base / t_pipe, "disk_bytes": disk, "raw_bytes": raw, "peak_gib": peak,
-           "precision": a.precision, "codec": a.codec}
-    if a.json:
-        Path(a.json).write_text(json.dumps(res, indent=2))
     if a.dir is None:
         shutil.rmtree(tmp, ignore_errors=True)
+    return {"shape": a.shape, "layers": L, "params_b": n_params / 1e9, "lengths": a.lengths, "samples": len(lengths),
+            "tokens": tokens, "mean_len": tokens / len(lengths), "max_len": max(lengths), "buckets": a.buckets,
+            "pow2": a.pow2, "batches": len(tensors), "shapes": len(shapes),
+            "padded_tokens": sum(ids.numel() for ids, _, _ in tensors), "writers": w.writers, "cores": cores,
+            "units": layout.n_units, "body_s": min(t_body, t_body2), "target_s": min(t_target, t_target2),
+            "features_s": t_feat, "pipeline_gpu_s": t_gpu, "pipeline_s": t_pipe, "disk_bytes": disk,
+            "raw_bytes": tokens * len(layer_ids) * tcfg.hidden_size * 2, "peak_gib": peak, "head_ms": head_ms,
+            "precision": a.precision, "codec": a.codec, "layer_ids": layer_ids}
+
+
+def report(r: dict, label: str = ""):
+    tok = r["tokens"]
+    print(f"\n{label}{r['shape']} shape, {r['layers']} layers ({r['params_b']:.2f}B params): {r['samples']:,} samples, "
+          f"{tok:,} tokens (mean {r['mean_len']:.0f}, max {r['max_len']}), {r['batches']} batches of "
+          f"{r['shapes']} distinct shapes, padding {r['padded_tokens'] / tok - 1:.1%}, buckets/octave "
+          f"{r['buckets']}{' pow2' if r['pow2'] else ''}; {r['units']} units, {r['writers']} writer threads, "
+          f"{r['cores']} cores")
+    print(f"{'':26s}{'seconds':>9s}{'tok/s':>11s}{'vs target':>11s}{'vs body':>9s}")
+    for name, key in (("body forward", "body_s"), ("target forward", "target_s"), ("forward+features", "features_s"),
+                      ("pipeline, GPU side", "pipeline_gpu_s"), ("pipeline, store written", "pipeline_s")):
+        t = r[key]
+        print(f"{name:26s}{t:9.2f}{tok / t:11,.0f}{r['target_s'] / t:11.3f}{r['body_s'] / t:9.3f}")
+    drain = r["pipeline_s"] - r["pipeline_gpu_s"]
+    print(f"final drain {drain:.2f} s = {drain / r['pipeline_s']:.1%} of the pipeline; raw bf16 features "
+          f"{r['raw_bytes'] / 2**30:.2f} GiB -> {r['disk_bytes'] / 2**30:.2f} GiB on disk "
+          f"({r['raw_bytes'] / r['disk_bytes']:.3f}x); raw feature rate at target-forward speed "
+          f"{r['raw_bytes'] / r['target_s'] / 1e9:.2f} GB/s; peak GPU memory {r['peak_gib']:.1f} GiB")
+    if "autotunes" in r:
+        print(f"Triton: {r['autotunes']} autotuning runs ({r['autotune_s']:.1f} s of tuning reported), "
+              f"{r['cached_kernels']} compiled kernels in the cache after the run")
+    for name, ms in r["head_ms"].items():
+        print(f"  LM head, one chunk of {2048} tokens: {name:34s}{ms:8.2f} ms")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", choices=("27b", "tiny"), default="tiny")
+    ap.add_argument("--layers", type=int, default=64, help="target layers (27b shape)")
+    ap.add_argument("--lengths", choices=("fixed", "chat"), default="fixed")
+    ap.add_argument("--seq-len", type=int, default=8192, help="fixed: every length; chat: the cap")
+    ap.add_argument("--seqs", type=int, default=16, help="fixed: how many")
+    ap.add_argument("--tokens", type=int, default=600_000, help="chat: total tokens")
+    ap.add_argument("--runs", default=None, help="chat: e.g. 8:cold,8:warm,0:cold (each in its own process)")
+    ap.add_argument("--buckets", type=int, default=8)
+    ap.add_argument("--pow2", action="store_true")
+    ap.add_argument("--batch-tokens", type=int, default=16384)
+    ap.add_argument("--precision", default="bf16")
+    ap.add_argument("--codec", default="zstd1")
+    ap.add_argument("--writers", type=int, default=0, help="0: the worker's automatic count")
+    ap.add_argument("--shard-tokens", type=int, default=16384)
+    ap.add_argument("--dir", default=None, help="where the store is written (default: a temp dir)")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--child-json", default=None, help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.runs is None:
+        r = measure(a)
+        if a.child_json:
+            Path(a.child_json).write_text(json.dumps(r))
+            return
+        report(r)
+        results = r
+    else:
+        results, caches = [], {}
+        for spec in a.runs.split(","):
+            buckets, cache = spec.split(":")
+            key = buckets + ("p" if a.pow2 else "")
+            if cache == "cold" or key not in caches:
+                caches[key] = tempfile.mkdtemp(prefix="triton-")
+            out = Path(tempfile.mkdtemp()) / "r.json"
+            argv = [a for a in sys.argv[1:]]
+            i = argv.index("--runs")
+            del argv[i:i + 2]
+            cmd = [sys.executable, __file__, *argv, "--buckets", buckets, "--child-json", str(out)]
+            env = {**os.environ, "TRITON_CACHE_DIR": caches[key], "TORCHINDUCTOR_CACHE_DIR": caches[key] + "/inductor",
+                   "TRITON_PRINT_AUTOTUNING": "1"}
+            p = subprocess.run(cmd, env=env, capture_output=True, text=True)
+            tunes = [float(m) for m in re.findall(r"Triton autotuning for function \S+,?.*? finished after ([0-9.]+)s", p.stdout + p.stderr)]
+            if p.returncode != 0 or not out.exists():
+                print(f"run {spec} FAILED (exit {p.returncode}):\n{(p.stdout + p.stderr)[-3000:]}", flush=True)
+                results.append({"run": spec, "error": (p.stdout + p.stderr)[-3000:]})
+                continue
+            r = json.loads(out.read_text())
+            r.update(run=spec, autotunes=len(tunes), autotune_s=sum(tunes),
+                     cached_kernels=sum(1 for _ in Path(caches[key]).rglob("*.json")))
+            report(r, f"[{spec}] ")
+            results.append(r)
+    if a.json:
+        Path(a.json).write_text(json.dumps(results, indent=2, default=str))
 
 
 if __name__ == "__main__":

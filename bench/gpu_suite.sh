@@ -4,7 +4,7 @@
 # the image's Python 3.12), build/tiny-target, build/corpus, runs/default/export (from `make demo`).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
-SECTIONS=${1:-12345}   # e.g. `bench/gpu_suite.sh 123`: one device call stays under 10 minutes
+SECTIONS=${1:-12345}   # e.g. `bench/gpu_suite.sh 123`: one device call stays under 10 minutes (sections are digits or letters)
 run() { [[ $SECTIONS == *$1* ]]; }
 mkdir -p "$OUT"
 python -m pip install -q --no-deps .whl/*.whl || python -m pip install -q --no-deps --break-system-packages .whl/*.whl
@@ -24,8 +24,8 @@ echo "== 3. real decoding timing path, random 27B-shaped target =="
 python bench/spec_bench.py --shape 27b --prompts 2 --max-new 48 --prompt-len 512 --json "$OUT/spec_27b.json"
 fi
 if run 4; then
-echo "== 4. training step with the engines' sliding mask (27B drafter, seq 8192, 512 anchors) =="
-python bench/train_bench.py --sections step --modes attention,full --steps 5 --json "$OUT/step.json"
+echo "== 4. training step per compile mode (27B drafter, seq 8192, 512 anchors) =="
+python bench/train_bench.py --sections step --modes blocks,attention,full --steps 5 --json "$OUT/step.json"
 fi
 if run 5; then
 echo "== 5. extraction with per-chunk crc32c (27B shape, seq 8192, 16 seqs) =="
@@ -36,4 +36,19 @@ if run 6; then
 echo "== 6. regeneration throughput (local engine), tiny and 27B shape, batch 1/16/64 =="
 python bench/regen_bench.py --tiny build/tiny-target --data build/corpus/chat.jsonl --json "$OUT/regen_tiny.json"
 python bench/regen_bench.py --shape 27b --json "$OUT/regen_27b.json"
+fi
+
+if run 7; then
+echo "== 7. extraction host side: raw bf16 feature write rate per writer-thread count (27B layout) =="
+python bench/host_bench.py --threads 1,2,4,8,12,16 --units 12 --json "$OUT/host.json"
+fi
+if run 8; then
+echo "== 8. extraction over a chat length mix, 16 layers of the 27B shape: cold and warm Triton cache =="
+python bench/extract_bench.py --shape 27b --layers 16 --lengths chat --tokens 400000 --runs 8:cold,8:warm,0:cold \
+    --json "$OUT/extract_chat.json"
+fi
+if run 9; then
+echo "== 9. extraction, fixed lengths: 27B shape seq 8192 x 16; 16 layers seq 2048 x 48 =="
+python bench/extract_bench.py --shape 27b --seq-len 8192 --seqs 16 --json "$OUT/extract_27b.json"
+python bench/extract_bench.py --shape 27b --layers 16 --seq-len 2048 --seqs 48 --json "$OUT/extract_16l.json"
 fi

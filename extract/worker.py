@@ -76,14 +76,14 @@ class UnitPool:
 
 def bucket_length(n: int, per_octave: int, cap: int) -> int:
     """The padded length for a batch whose longest sample has n tokens: the smallest value of
-    the ladder 2^k * (1 + j / per_octave), from 64 up and in steps of at least 16, that is >= n,
+    the ladder 16, 32, 48, 64, then 2^k * (1 + j / per_octave) in steps of at least 16, that is >= n,
     never above cap (itself one fixed length). per_octave = 0: n itself. At most
     1 / per_octave of a batch is padding added by the ladder; the kernels see a bounded set of
     lengths instead of one per distinct sample length (docs/DESIGN.md, "Extraction speed")."""
     if per_octave <= 0:
         return n
     if n <= 64:
-        return min(64, cap) if n <= cap else n
+        return min(-(-n // 16) * 16, cap) if n <= cap else n
     k = (n - 1).bit_length() - 1  # 2^k < n <= 2^(k+1)
     step = max(16, (1 << k) // per_octave)
     return min(-(-n // step) * step, cap) if n <= cap else n
