@@ -108,6 +108,7 @@ def measure(a) -> dict:
     t_pipe = timed(lambda: w.run(list(range(layout.n_units))), device)
     t_gpu = w.gpu_done_at - t_start
     disk = st.disk_bytes(store)
+    log(f"pipeline: {t_pipe:.1f} s, GPU side {t_gpu:.1f} s, {tokens / t_pipe:,.0f} tok/s")
 
     # 2. the baselines over the same batches the worker planned, warm
     index = st.Store(store, require_complete=False).index()
@@ -146,6 +147,8 @@ def measure(a) -> dict:
 
     feats()  # warm (the worker already was)
     t_body, t_target, t_feat = timed(body, device), timed(target, device), timed(feats, device)
+    log(f"body {t_body:.1f} s, target forward {t_target:.1f} s, forward+features {t_feat:.1f} s "
+        f"over {len(tensors)} batches of {len(shapes)} shapes")
     t_body2, t_target2 = timed(body, device), timed(target, device)  # drift between first and last
 
     # 3. the LM head alone on one chunk: matmul, the old float32 top-k/lse, the new path

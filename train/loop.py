@@ -45,7 +45,7 @@ def loop(run: Run):
             graphs = compiled_graphs()
             r = train_step(run.model, run.opt, run.sched, run.embed, run.head, mbs, run.step_cfg, run.autocast)
             if first_step:  # the first step compiles; any graph after it is a recompilation
-                first_step, run.graphs = False, compiled_graphs()
+                first_step, run.graphs = False, compiled_graphs() - graphs
             else:
                 run.recompiles += compiled_graphs() - graphs
             run.step += 1
