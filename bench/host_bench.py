@@ -68,9 +68,13 @@ def main():
     ap.add_argument("--codec", default="zstd1")
     ap.add_argument("--precision", default="bf16")
     ap.add_argument("--goal-gbs", type=float, default=2.0)
+    ap.add_argument("--zarr-crc", action="store_true", help="baseline: zarr's own crc32c codec (inline on its event loop)")
     ap.add_argument("--dir", default=None)
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
+    if a.zarr_crc:
+        import zarr
+        zarr.config.set({"codecs.crc32c": "zarr.codecs.crc32c_.Crc32cCodec"})
     tmp = Path(a.dir or tempfile.mkdtemp(prefix="hbench-"))
     S = a.shard_tokens
     cfg = ExtractConfig(data="synthetic", target="in-memory", store="", max_len=S, precision=a.precision,
@@ -79,7 +83,8 @@ def main():
     enc = [Encoded(np.zeros(S, dtype=np.int32), np.ones(S, dtype=np.uint8), 0, i) for i in range(n_units)]
     template = None
     rows = []
-    print(f"units of {S} tokens x {a.layers} layers x {a.hidden} ({a.precision}/{a.codec}); "
+    print(f"units of {S} tokens x {a.layers} layers x {a.hidden} ({a.precision}/{a.codec}, crc32c "
+          f"{'zarr inline' if a.zarr_crc else 'threaded'}); "
           f"{os.cpu_count()} CPUs visible; {n_units} units per row")
     print(f"{'threads':>8s}{'raw GB/s':>10s}{'cores busy':>12s}{'GB/s per core':>15s}{'disk GB/s':>11s}")
     for W in [int(x) for x in a.threads.split(",")]:
