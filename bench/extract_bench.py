@@ -2,7 +2,7 @@
 
     python bench/extract_bench.py --shape 27b --seq-len 8192 --seqs 16             # H200, fixed lengths
     python bench/extract_bench.py --shape 27b --layers 16 --lengths chat --tokens 600000 \
-        --runs 8:cold,8:warm,0:cold                                                # H200, a chat length mix
+        --runs 0:cold,0:warm,8:cold                                                # H200, a chat length mix
     python bench/extract_bench.py --shape tiny --seq-len 1024 --seqs 64            # CPU
 
 Rows (all over the batches the worker itself plans: bucketed lengths, same sizes):
@@ -213,7 +213,7 @@ def main():
     ap.add_argument("--seqs", type=int, default=16, help="fixed: how many")
     ap.add_argument("--tokens", type=int, default=600_000, help="chat: total tokens")
     ap.add_argument("--runs", default=None, help="chat: e.g. 8:cold,8:warm,0:cold (each in its own process)")
-    ap.add_argument("--buckets", type=int, default=8)
+    ap.add_argument("--buckets", type=int, default=0)
     ap.add_argument("--pow2", action="store_true")
     ap.add_argument("--batch-tokens", type=int, default=16384)
     ap.add_argument("--precision", default="bf16")

@@ -44,7 +44,7 @@ python bench/host_bench.py --threads 1,2,4,8,12,16 --units 12 --json "$OUT/host.
 fi
 if run 8; then
 echo "== 8. extraction over a chat length mix, 16 layers of the 27B shape: cold and warm Triton cache =="
-python bench/extract_bench.py --shape 27b --layers 16 --lengths chat --tokens 400000 --runs 8:cold,8:warm,0:cold \
+python bench/extract_bench.py --shape 27b --layers 16 --lengths chat --tokens 400000 --runs 0:cold,0:warm,8:cold \
     --json "$OUT/extract_chat.json"
 fi
 if run 9; then

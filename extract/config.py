@@ -30,9 +30,9 @@ class ExtractConfig:
     topk: int = opt(16, "top-k of the target's distribution kept per token")
     batch_tokens: int = opt(16384, "padded tokens per forward")
     max_batch: int = opt(64, "sequences per forward")
-    buckets_per_octave: int = opt(8, "padded lengths per doubling of the length (2^k * (1 + j/N), from 64 up) "
-                                     "and power-of-two batch sizes, so the kernels see few shapes; 0: "
-                                     "exact lengths")
+    buckets_per_octave: int = opt(0, "pad each forward to a ladder of lengths, N per doubling (16, 32, 48, 64, "
+                                     "then 2^k * (1 + j/N)); 0: to its longest sample (FLA's autotuning "
+                                     "keys hold no length, docs/DESIGN.md 'Extraction speed')")
     pow2_batch: bool = opt(False, "round each forward's sequence count down to a power of two (fewer shapes)")
     shard_tokens: int = opt(16384, "tokens per unit (= per shard of every token array)")
     chunk_tokens: int = opt(64, "tokens per compressed chunk of features/hidden")

@@ -78,8 +78,9 @@ def bucket_length(n: int, per_octave: int, cap: int) -> int:
     """The padded length for a batch whose longest sample has n tokens: the smallest value of
     the ladder 16, 32, 48, 64, then 2^k * (1 + j / per_octave) in steps of at least 16, that is >= n,
     never above cap (itself one fixed length). per_octave = 0: n itself. At most
-    1 / per_octave of a batch is padding added by the ladder; the kernels see a bounded set of
-    lengths instead of one per distinct sample length (docs/DESIGN.md, "Extraction speed")."""
+    1 / per_octave of a batch is padding added by the ladder. Off by default: the kernels'
+    autotuning keys hold token counts and batch sizes, not lengths (docs/DESIGN.md, "Extraction
+    speed"), so the ladder bounds the set of lengths but not the tunings."""
     if per_octave <= 0:
         return n
     if n <= 64:
@@ -178,6 +179,9 @@ class Worker:
         S = self.layout.shard_tokens
         unit_of = offsets // S
         dtype = compute_dtype(cfg.dtype, dev)
+        # Triton's autotuning results on disk, for the kernels FLA does not cache itself (l2norm,
+        # cumsum: ~12 s per new key on an H200, again in every process otherwise)
+        os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
         model = self.model if self.model is not None else load_target(cfg.target, dev, dtype)
         cuda = dev.type == "cuda"
         copy_stream = torch.cuda.Stream(dev) if cuda else None

@@ -49,10 +49,9 @@ def test_round_trip_equals_target_output_bf16_exact(tiny, reference):
     assert layer_ids == [0, 1, 3]
     for i in (0, 5, len(s) - 1):
         sample = s.read(i)
-        # the worker pads each forward to a bucketed length (tests/test_features.py checks that
-        # padding leaves features alone); the same padded forward gives the same bytes
+        # one sample per forward, padded as the worker pads it (to itself by default)
         n = len(sample.input_ids)
-        ids, att = pad_batch([sample.input_ids], 0, bucket_length(n, 8, 1024))
+        ids, att = pad_batch([sample.input_ids], 0, bucket_length(n, 0, 1024))
         hidden, idx, logp, lse, ok = forward_features(model, ids, att, [n], layer_ids, topk=8)
         assert torch.equal(sample.hidden.view(torch.int16), hidden.bfloat16().view(torch.int16))
         assert torch.equal(sample.topk_idx, idx)
@@ -103,8 +102,8 @@ def test_two_workers_write_one_store_identically(tiny, reference, tmp_path):
         assert np.array_equal(ref[k], got[k]), k
 
 
-@pytest.mark.parametrize("kw", [dict(), dict(pow2_batch=True), dict(buckets_per_octave=0)],
-                         ids=["buckets", "buckets+pow2", "exact-lengths"])
+@pytest.mark.parametrize("kw", [dict(), dict(buckets_per_octave=8), dict(buckets_per_octave=8, pow2_batch=True)],
+                         ids=["exact-lengths", "buckets", "buckets+pow2"])
 def test_batched_store_matches_single_to_bf16_rounding(tiny, reference, tmp_path, kw):
     store = tmp_path / "batched"
     run(extract_cfg(tiny, store, max_batch=16, **kw))
