@@ -33,7 +33,8 @@ class ExtractConfig:
     buckets_per_octave: int = opt(0, "pad each forward to a ladder of lengths, N per doubling (16, 32, 48, 64, "
                                      "then 2^k * (1 + j/N)); 0: to its longest sample (FLA's autotuning "
                                      "keys hold no length, docs/DESIGN.md 'Extraction speed')")
-    pow2_batch: bool = opt(False, "round each forward's sequence count down to a power of two (fewer shapes)")
+    pow2_batch: bool = opt(False, "round each forward's sequence count down to a power of two (at most 7 batch "
+                                   "sizes for the kernels that autotune per batch size)")
     shard_tokens: int = opt(16384, "tokens per unit (= per shard of every token array)")
     chunk_tokens: int = opt(64, "tokens per compressed chunk of features/hidden")
     writers: int = opt(0, "units compressed and written in parallel per worker; 0: the worker's CPU cores "

@@ -33,8 +33,9 @@ def assign_units(lengths: list[int], shard_tokens: int, order: np.ndarray | None
 
 def by_length(lengths: list[int]) -> np.ndarray:
     """Longest first (ties in sample order): units of similar lengths, so a unit's forwards pad
-    little. In sample order, one long chat pads every short one batched with it (a long-tailed
-    mix padded to 60% more tokens than it has, bench/extract_bench.py)."""
+    little. In sample order, one long chat pads every short one batched with it (a log-normal
+    chat mix computed 76% more tokens than it has; longest first, 1%: docs/DESIGN.md, "Extraction
+    speed")."""
     return np.lexsort((np.arange(len(lengths)), -np.asarray(lengths, dtype=np.int64)))
 
 

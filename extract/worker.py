@@ -108,9 +108,10 @@ def plan_batches(items: list[tuple[int, int, int]], batch_tokens: int, max_batch
 
 
 def writer_threads(cfg: ExtractConfig, cores: int) -> int:
-    """--writers, or from the cores this worker has: compression and checksums release the GIL,
-    so threads scale with cores (bench/host_bench.py); two cores stay for the forward's host
-    work and the collector. Each writer holds one unit buffer (pinned memory on a GPU)."""
+    """--writers, or from the cores this worker has, two left for the forward's host work and the
+    collector. At most 8: on a 16-core H200 host 4, 8 and 16 threads wrote at the same rate, the
+    process's zarr machinery being the limit (bench/host_bench.py), and each writer holds one unit
+    buffer (pinned memory on a GPU)."""
     return cfg.writers if cfg.writers > 0 else max(2, min(8, cores - 2))
 
 

@@ -56,9 +56,9 @@ class StoreError(RuntimeError):
 
 class ThreadedCrc32cCodec(Crc32cCodec):
     """zarr's crc32c codec (same name, same bytes on disk), run in zarr's codec threads like its
-    compressors. zarr computes it inline on its one event-loop thread, which with the checksum's
-    copy made that thread the ceiling of every write (~0.75 GB/s on a 16-core host whatever the
-    writer count, bench/host_bench.py) and of every read."""
+    compressors. zarr computes it inline on its one event-loop thread, which every write and read
+    of the process goes through: writes topped out at ~0.75 GB/s on a 16-core host whatever the
+    writer count, ~0.94 GB/s with this (bench/host_bench.py, BENCHMARKS.md)."""
 
     async def _encode_single(self, chunk_bytes, chunk_spec):
         return await asyncio.to_thread(self._encode_sync, chunk_bytes, chunk_spec)
@@ -70,6 +70,7 @@ class ThreadedCrc32cCodec(Crc32cCodec):
 _CRC_KEY = f"{ThreadedCrc32cCodec.__module__}.{ThreadedCrc32cCodec.__qualname__}"
 zarr.registry.register_codec("crc32c", ThreadedCrc32cCodec)
 zarr.config.set({"codecs.crc32c": _CRC_KEY})  # the implementation zarr picks for "crc32c" chunks
+
 
 def _codecs(name: str, itemsize: int):
     """(filters, compressors) for a codec name, with a crc32c of each compressed chunk last, so
