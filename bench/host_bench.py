@@ -4,7 +4,7 @@ threads compress, checksum and write as whole units, and how many CPU cores that
     python bench/host_bench.py --threads 1,2,4,8,12,16 --units 24          # H200 host (16 cores)
     python bench/host_bench.py --threads 1,2 --units 4 --layers 2 --hidden 1024   # CPU smoke run
 
-Each row writes the same units (synthetic features with the magnitude structure of hidden states:
+Each row writes (then reads back whole) the same units (synthetic features with the magnitude structure of hidden states:
 a few outlier channels, the rest near N(0, 1)) through `shared.store.write_unit`, the call the
 extraction writers make, with W threads. Goal (issue 11): >= 2 GB/s of raw bf16 features per GPU
 with the cores one GPU has on an 8-GPU host. "cores busy" = process CPU time / wall time.
@@ -86,7 +86,8 @@ def main():
     print(f"units of {S} tokens x {a.layers} layers x {a.hidden} ({a.precision}/{a.codec}, crc32c "
           f"{'zarr inline' if a.zarr_crc else 'threaded'}); "
           f"{os.cpu_count()} CPUs visible; {n_units} units per row")
-    print(f"{'threads':>8s}{'raw GB/s':>10s}{'cores busy':>12s}{'GB/s per core':>15s}{'disk GB/s':>11s}")
+    print(f"{'threads':>8s}{'raw GB/s':>10s}{'cores busy':>12s}{'GB/s per core':>15s}{'disk GB/s':>11s}"
+          f"{'read GB/s':>11s}{'read cores':>12s}")
     for W in [int(x) for x in a.threads.split(",")]:
         store = tmp / f"store-{W}"
         shutil.rmtree(store, ignore_errors=True)
@@ -128,11 +129,38 @@ def main():
             raise errors[0]
         raw = n_units * S * a.layers * a.hidden * 2
         disk = st.disk_bytes(store)
+        # read back: every unit's arrays, whole, with the same thread count (checksums verified)
+        for u in range(n_units):
+            q.put(u)
+        names = list(template[0])
+
+        def reader():
+            while not errors:
+                try:
+                    u = q.get_nowait()
+                except queue.Empty:
+                    return
+                try:
+                    for name in names:
+                        w.feature_array(name)[u * S:(u + 1) * S]
+                except BaseException as e:
+                    errors.append(e)
+
+        threads = [threading.Thread(target=reader) for _ in range(W)]
+        rc0, rt0 = cpu_seconds(), time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        rwall, rcpu = time.perf_counter() - rt0, cpu_seconds() - rc0
+        if errors:
+            raise errors[0]
         r = {"threads": W, "raw_gbs": raw / wall / 1e9, "cores_busy": cpu / wall,
-             "gbs_per_core": raw / cpu / 1e9, "disk_gbs": disk / wall / 1e9, "ratio": raw / disk}
+             "gbs_per_core": raw / cpu / 1e9, "disk_gbs": disk / wall / 1e9, "ratio": raw / disk,
+             "read_raw_gbs": raw / rwall / 1e9, "read_cores_busy": rcpu / rwall}
         rows.append(r)
-        print(f"{W:8d}{r['raw_gbs']:10.2f}{r['cores_busy']:12.1f}{r['gbs_per_core']:15.3f}{r['disk_gbs']:11.2f}",
-              flush=True)
+        print(f"{W:8d}{r['raw_gbs']:10.2f}{r['cores_busy']:12.1f}{r['gbs_per_core']:15.3f}{r['disk_gbs']:11.2f}"
+              f"{r['read_raw_gbs']:11.2f}{r['read_cores_busy']:12.1f}", flush=True)
         shutil.rmtree(store, ignore_errors=True)
     best = max(rows, key=lambda r: r["raw_gbs"])
     per_core = np.median([r["gbs_per_core"] for r in rows])
