@@ -52,9 +52,6 @@ def unwrap(model: nn.Module) -> "DFlashDrafter":
     return getattr(inner, "_orig_mod", inner)
 
 
-COMPILE_MODES = ("blocks", "attention", "full", "none")
-
-
 def attention_backend(attention: str, compile: str, cuda: bool) -> str:
     """The attention path a run uses: flex on the GPU (its call compiled on its own under
     `--compile attention`), SDPA with the dense mask on the CPU (flex has no backward there)."""
