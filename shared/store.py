@@ -57,8 +57,8 @@ class StoreError(RuntimeError):
 class ThreadedCrc32cCodec(Crc32cCodec):
     """zarr's crc32c codec (same name, same bytes on disk), run in zarr's codec threads like its
     compressors. zarr computes it inline on its one event-loop thread, which every write and read
-    of the process goes through: writes topped out at ~0.75 GB/s on a 16-core host whatever the
-    writer count, ~0.94 GB/s with this (bench/host_bench.py, BENCHMARKS.md)."""
+    of the process goes through: writes stayed at 0.5-0.85 GB/s on a 16-core host for 1 to 16
+    writer threads, 0.84-0.94 GB/s with this (separate runs; bench/host_bench.py, BENCHMARKS.md)."""
 
     async def _encode_single(self, chunk_bytes, chunk_spec):
         return await asyncio.to_thread(self._encode_sync, chunk_bytes, chunk_spec)
