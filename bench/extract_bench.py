@@ -48,6 +48,7 @@ from shared.data import Encoded
 from shared.features import forward_features, logit_features, pad_batch, valid_index
 from shared.progress import log
 from shared.target import default_layer_ids
+from shared.tiny import tiny_config
 
 
 def sync(device):
@@ -78,7 +79,7 @@ def measure(a) -> dict:
     """One process: build the target, plan the store, run the worker, then the baselines."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    tcfg = target_27b_config(a.layers) if a.shape == "27b" else __import__("shared.tiny", fromlist=["x"]).tiny_config(2048)
+    tcfg = target_27b_config(a.layers) if a.shape == "27b" else tiny_config(2048)
     t0 = time.time()
     model = random_target(tcfg, device, dtype)
     n_params = sum(p.numel() for p in model.parameters())
@@ -103,7 +104,8 @@ def measure(a) -> dict:
 
     # 1. the real worker first: a cold run compiles and autotunes inside this timing
     w = Worker(cfg, 0, 1, device, model=model, cores=cores)
-    layout = st.Store(store, require_complete=False).layout
+    planned = st.Store(store, require_complete=False)
+    layout, index = planned.layout, planned.index()
     t_start = time.time()
     t_pipe = timed(lambda: w.run(list(range(layout.n_units))), device)
     t_gpu = w.gpu_done_at - t_start
@@ -111,12 +113,9 @@ def measure(a) -> dict:
     log(f"pipeline: {t_pipe:.1f} s, GPU side {t_gpu:.1f} s, {tokens / t_pipe:,.0f} tok/s")
 
     # 2. the baselines over the same batches the worker planned, warm
-    index = st.Store(store, require_complete=False).index()
     S = layout.shard_tokens
-    unit_of = index["offset"] // S
     tensors, shapes = [], set()
-    for u in range(layout.n_units):
-        members = np.nonzero(unit_of == u)[0]
+    for u, members in enumerate(st.samples_by_unit(index["offset"], S, layout.n_units)):
         items = [(int(i), int(index["offset"][i]) - u * S, int(index["length"][i])) for i in members]
         for batch, padded in plan_batches(items, cfg.batch_tokens, cfg.max_batch, cfg.buckets_per_octave, cfg.pow2_batch):
             ids, att = pad_batch([torch.from_numpy(enc[i].input_ids.astype(np.int64)) for i, _, _ in batch], 0, padded)
@@ -170,7 +169,7 @@ def measure(a) -> dict:
     peak = torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else float("nan")
     if a.dir is None:
         shutil.rmtree(tmp, ignore_errors=True)
-    return {"shape": a.shape, "layers": L, "params_b": n_params / 1e9, "lengths": a.lengths, "samples": len(lengths),
+    return {"shape": a.shape, "layers": L, "logit_chunk": cfg.logit_chunk, "params_b": n_params / 1e9, "lengths": a.lengths, "samples": len(lengths),
             "tokens": tokens, "mean_len": tokens / len(lengths), "max_len": max(lengths), "buckets": a.buckets,
             "pow2": a.pow2, "batches": len(tensors), "shapes": len(shapes),
             "padded_tokens": sum(ids.numel() for ids, _, _ in tensors), "writers": w.writers, "cores": cores,
@@ -201,7 +200,7 @@ def report(r: dict, label: str = ""):
         print(f"Triton: {r['autotunes']} autotuning runs ({r['autotune_s']:.1f} s of tuning reported), "
               f"{r['cached_kernels']} compiled kernels in the cache after the run")
     for name, ms in r["head_ms"].items():
-        print(f"  LM head, one chunk of {2048} tokens: {name:34s}{ms:8.2f} ms")
+        print(f"  LM head, one chunk of {r['logit_chunk']} tokens: {name:34s}{ms:8.2f} ms")
 
 
 def main():
@@ -239,7 +238,7 @@ def main():
             if cache == "cold" or key not in caches:
                 caches[key] = tempfile.mkdtemp(prefix="triton-")
             out = Path(tempfile.mkdtemp()) / "r.json"
-            argv = [a for a in sys.argv[1:]]
+            argv = list(sys.argv[1:])
             i = argv.index("--runs")
             del argv[i:i + 2]
             cmd = [sys.executable, __file__, *argv, "--buckets", buckets, "--child-json", str(out)]

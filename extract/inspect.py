@@ -36,6 +36,7 @@ def verify(path: str, progress: bool = True) -> list[str]:
     if (offsets[order][1:] < (offsets + lengths)[order][:-1]).any():
         problems.append("samples overlap")
     done = st.done_units(path)
+    by_unit = st.samples_by_unit(offsets, lay.shard_tokens, lay.n_units)
     for u in progress_bar(range(lay.n_units), desc="verify", unit=" units", disable=not progress):
         if u not in done:
             problems.append(f"unit {u}: not written")
@@ -50,7 +51,7 @@ def verify(path: str, progress: bool = True) -> list[str]:
                 continue
             if got != want:
                 problems.append(f"unit {u}: {name} checksum {got:08x} != {want:08x} written")
-        members = np.nonzero((units == u) & (ok == 1))[0]
+        members = by_unit[u][ok[by_unit[u]] == 1]
         if lay.precision == "bf16" and len(members) and not damaged:
             h = s.unit_hidden(u)
             for i in members:

@@ -81,13 +81,11 @@ def bucket_length(n: int, per_octave: int, cap: int) -> int:
     1 / per_octave of a batch is padding added by the ladder. Off by default: the kernels'
     autotuning keys hold token counts and batch sizes, not lengths (docs/DESIGN.md, "Extraction
     speed"), so the ladder bounds the set of lengths but not the tunings."""
-    if per_octave <= 0:
+    if per_octave <= 0 or n > cap:
         return n
-    if n <= 64:
-        return min(-(-n // 16) * 16, cap) if n <= cap else n
-    k = (n - 1).bit_length() - 1  # 2^k < n <= 2^(k+1)
-    step = max(16, (1 << k) // per_octave)
-    return min(-(-n // step) * step, cap) if n <= cap else n
+    # in (2^k, 2^(k+1)] the step is 2^k / per_octave, never under 16 (so 16 up to 64)
+    step = 16 if n <= 64 else max(16, (1 << ((n - 1).bit_length() - 1)) // per_octave)
+    return min(-(-n // step) * step, cap)
 
 
 def plan_batches(items: list[tuple[int, int, int]], batch_tokens: int, max_batch: int, per_octave: int = 0,
@@ -178,7 +176,7 @@ class Worker:
         index = self.reader.index()
         offsets, lengths, rows, files = index["offset"], index["length"], index["row"], index["file"]
         S = self.layout.shard_tokens
-        unit_of = offsets // S
+        by_unit = st.samples_by_unit(offsets, S, self.layout.n_units)
         dtype = compute_dtype(cfg.dtype, dev)
         # Triton's autotuning results on disk, for the kernels FLA does not cache itself (l2norm,
         # cumsum: ~12 s per new key on an H200, again in every process otherwise)
@@ -196,7 +194,7 @@ class Worker:
             t.start()
         try:
             for u in units:
-                members = np.nonzero(unit_of == u)[0]
+                members = by_unit[u]
                 buf = self.pool.get(u, len(members), int(lengths[members].sum()))
                 if self.error:
                     raise self.error

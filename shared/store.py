@@ -330,6 +330,15 @@ def encode_features(precision: str, hidden: torch.Tensor, topk_idx: torch.Tensor
     return out
 
 
+def samples_by_unit(offsets: np.ndarray, shard_tokens: int, n_units: int) -> list[np.ndarray]:
+    """Each unit's sample ids, ascending, from one stable sort of the index offsets (a scan of
+    the whole index per unit costs samples x units)."""
+    units = np.asarray(offsets) // shard_tokens
+    order = np.argsort(units, kind="stable")
+    bounds = np.searchsorted(units[order], np.arange(n_units + 1))
+    return [order[bounds[u]:bounds[u + 1]] for u in range(n_units)]
+
+
 def crc(a: np.ndarray) -> int:
     return zlib.crc32(np.ascontiguousarray(a).view(np.uint8).reshape(-1)) & 0xFFFFFFFF
 
