@@ -58,6 +58,36 @@ def unit_arrays(layout: st.Layout, seed: int) -> dict[str, np.ndarray]:
     return out
 
 
+def on_threads(W: int, n_units: int, fn) -> tuple[float, float]:
+    """fn(u) for every unit on W threads: (wall seconds, process CPU seconds). The first error
+    stops the threads and is raised (a failed write must not read as a fast one)."""
+    q: queue.Queue = queue.Queue()
+    for u in range(n_units):
+        q.put(u)
+    errors = []
+
+    def loop():
+        while not errors:
+            try:
+                u = q.get_nowait()
+            except queue.Empty:
+                return
+            try:
+                fn(u)
+            except BaseException as e:
+                errors.append(e)
+
+    threads = [threading.Thread(target=loop) for _ in range(W)]
+    c0, t0 = cpu_seconds(), time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return time.perf_counter() - t0, cpu_seconds() - c0
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", default="1,2,4,8")
@@ -101,60 +131,19 @@ def main():
         w = st.StoreWriter(store)
         if layout.precision == "fp8":
             raise SystemExit("fp8: give --precision bf16 (the goal is stated for raw bf16 features)")
-        q: queue.Queue = queue.Queue()
-        for u in range(n_units):
-            q.put(u)
 
-        errors = []
+        def write(u):
+            st.write_unit(w, u, template[u % len(template)], {"samples": 1, "tokens": S, "dropped": []})
 
-        def writer():
-            while not errors:
-                try:
-                    u = q.get_nowait()
-                except queue.Empty:
-                    return
-                try:
-                    st.write_unit(w, u, template[u % len(template)], {"samples": 1, "tokens": S, "dropped": []})
-                except BaseException as e:  # a failed write must not read as a fast one
-                    errors.append(e)
+        def read(u):
+            for name in template[0]:
+                w.feature_array(name)[u * S:(u + 1) * S]
 
-        threads = [threading.Thread(target=writer) for _ in range(W)]
-        c0, t0 = cpu_seconds(), time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        wall, cpu = time.perf_counter() - t0, cpu_seconds() - c0
-        if errors:
-            raise errors[0]
+        wall, cpu = on_threads(W, n_units, write)
         raw = n_units * S * a.layers * a.hidden * 2
         disk = st.disk_bytes(store)
         # read back: every unit's arrays, whole, with the same thread count (checksums verified)
-        for u in range(n_units):
-            q.put(u)
-        names = list(template[0])
-
-        def reader():
-            while not errors:
-                try:
-                    u = q.get_nowait()
-                except queue.Empty:
-                    return
-                try:
-                    for name in names:
-                        w.feature_array(name)[u * S:(u + 1) * S]
-                except BaseException as e:
-                    errors.append(e)
-
-        threads = [threading.Thread(target=reader) for _ in range(W)]
-        rc0, rt0 = cpu_seconds(), time.perf_counter()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        rwall, rcpu = time.perf_counter() - rt0, cpu_seconds() - rc0
-        if errors:
-            raise errors[0]
+        rwall, rcpu = on_threads(W, n_units, read)
         r = {"threads": W, "raw_gbs": raw / wall / 1e9, "cores_busy": cpu / wall,
              "gbs_per_core": raw / cpu / 1e9, "disk_gbs": disk / wall / 1e9, "ratio": raw / disk,
              "read_raw_gbs": raw / rwall / 1e9, "read_cores_busy": rcpu / rwall}
