@@ -4,6 +4,7 @@
     python bench/extract_bench.py --shape 27b --layers 16 --lengths chat --tokens 600000 \
         --runs 0:cold,0:warm,8:cold                                                # H200, a chat length mix
     python bench/extract_bench.py --shape tiny --seq-len 1024 --seqs 64            # CPU
+    python bench/extract_bench.py --plan-only --tokens 3000000                     # padding, planner only
 
 Rows (all over the batches the worker itself plans: bucketed lengths, same sizes):
   body forward          model.model(ids, attention_mask) only (no LM head)
@@ -41,7 +42,7 @@ import torch
 from shapes import random_target, synthetic_manifest, target_27b_config  # noqa: E402  (adds the repo to sys.path)
 
 from extract.config import ExtractConfig
-from extract.plan import write_plan
+from extract.plan import assign_units, by_length, write_plan
 from extract.worker import Worker, plan_batches
 from shared import store as st
 from shared.data import Encoded
@@ -73,6 +74,26 @@ def chat_lengths(tokens: int, max_len: int, seed: int = 0) -> list[int]:
         out.append(n)
         total += n
     return out
+
+
+def plan_only(a):
+    """Padding and shapes of the worker's batches for a chat length mix, units packed in sample
+    order and longest first, per padding setting: the planner alone, no model."""
+    lengths = chat_lengths(a.tokens, a.seq_len)
+    S, bt = max(a.shard_tokens, a.seq_len), max(a.batch_tokens, a.seq_len)
+    print(f"{len(lengths):,} samples, {sum(lengths):,} tokens; units of {S}, batches of <= {bt} tokens")
+    print(f"{'units':>14s}{'buckets':>9s}{'pow2':>6s}{'padding':>9s}{'shapes':>8s}{'batches':>9s}")
+    for name, order in (("sample order", None), ("longest first", by_length(lengths))):
+        offsets, n_units = assign_units(lengths, S, order)
+        for buckets, pow2 in ((0, False), (8, False), (16, False), (8, True)):
+            padded, shapes, n = 0, set(), 0
+            for u, members in enumerate(st.samples_by_unit(offsets, S, n_units)):
+                items = [(int(i), int(offsets[i]) - u * S, lengths[i]) for i in members]
+                for batch, L in plan_batches(items, bt, 64, buckets, pow2):
+                    padded, n = padded + len(batch) * L, n + 1
+                    shapes.add((len(batch), L))
+            print(f"{name:>14s}{buckets:9d}{'yes' if pow2 else 'no':>6s}{padded / sum(lengths) - 1:9.1%}"
+                  f"{len(shapes):8d}{n:9d}")
 
 
 def measure(a) -> dict:
@@ -221,8 +242,11 @@ def main():
     ap.add_argument("--shard-tokens", type=int, default=16384)
     ap.add_argument("--dir", default=None, help="where the store is written (default: a temp dir)")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--plan-only", action="store_true", help="chat: padding per setting from the planner, no model")
     ap.add_argument("--child-json", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.plan_only:
+        return plan_only(a)
     if a.runs is None:
         r = measure(a)
         if a.child_json:
