@@ -42,6 +42,8 @@ class ExtractConfig:
     queue_units: int = opt(2, "finished units waiting for a writer (bounds host memory)", cli=False)
     dtype: Literal["auto", "bf16", "fp32"] = opt("auto", "compute dtype: auto = bf16 on GPU, fp32 on CPU")
     logit_chunk: int = opt(2048, "tokens per LM-head chunk when computing top-k and lse", cli=False)
+    lease_seconds: float = opt(120.0, "a claim on a unit (or on planning, finalizing) that its process has not renewed "
+                                      "for this long is taken over by another (a dead or hung node)")
     ignore_free_space: bool = opt(False, "start although the estimated store is larger than the free disk space")
     overwrite: bool = opt(False, "delete STORE first")
     progress: bool = opt(True, "tqdm progress bars")
@@ -59,6 +61,8 @@ class ExtractConfig:
         if self.shard_tokens % self.chunk_tokens:
             raise ValueError(f"--shard-tokens {self.shard_tokens} must be a multiple of "
                              f"--chunk-tokens {self.chunk_tokens}")
+        if self.lease_seconds < 3:
+            raise ValueError("--lease-seconds must be at least 3")
         if self.topk < 1:
             raise ValueError("--topk must be at least 1")
         if self.batch_tokens < self.max_len:

@@ -1,12 +1,8 @@
 """Planning: tokenize DATA, cut the token axis into units, and create the store with its tokens
-and index, in a side folder renamed into place at the end (a crash while planning leaves
-nothing that looks like a store)."""
+and index; the manifest is attached last, in one atomic write (a crash while planning leaves
+nothing that looks like a store: shared/store.py)."""
 
 from __future__ import annotations
-
-import os
-import shutil
-from pathlib import Path
 
 import numpy as np
 
@@ -39,29 +35,26 @@ def by_length(lengths: list[int]) -> np.ndarray:
     return np.lexsort((np.arange(len(lengths)), -np.asarray(lengths, dtype=np.int64)))
 
 
-def plan(cfg: ExtractConfig, manifest: st.Manifest, tokenizer, n_layers: int, hidden: int) -> Path:
+def plan(cfg: ExtractConfig, manifest: st.Manifest, tokenizer, n_layers: int, hidden: int, planner: dict | None = None):
     """Tokenize DATA and create the store with its tokens and index."""
     _, encoded, report = encode_all(cfg.data, tokenizer, cfg.max_len, cfg.too_long, cfg.progress,
                                     cfg.chat_template_kwargs)
     manifest.data.report = {"rows": report.rows, "kept": report.kept, "truncated": report.truncated,
                             "skipped": dict(report.skipped), "examples": report.examples}
-    store = write_plan(cfg, manifest, encoded, n_layers, hidden)
+    write_plan(cfg, manifest, encoded, n_layers, hidden, planner)
     for reason, n in sorted(report.skipped.items()):
         log(f"skipped {n} row(s): {reason}; first: {report.examples[reason]}")
-    return store
 
 
-def write_plan(cfg: ExtractConfig, manifest: st.Manifest, encoded: list[Encoded], n_layers: int, hidden: int) -> Path:
-    store = Path(cfg.store)
-    partial = store.with_name(store.name + ".partial")
-    if partial.exists():
-        shutil.rmtree(partial)
+def write_plan(cfg: ExtractConfig, manifest: st.Manifest, encoded: list[Encoded], n_layers: int, hidden: int,
+               planner: dict | None = None):
+    """planner: who is planning (recorded in the store while it plans)."""
     lengths = [len(e.input_ids) for e in encoded]
     offsets, n_units = assign_units(lengths, cfg.shard_tokens, by_length(lengths))
     manifest.layout = st.Layout(n_layers=n_layers, hidden=hidden, topk=cfg.topk, precision=cfg.precision,
                                 codec=cfg.codec, shard_tokens=cfg.shard_tokens, chunk_tokens=cfg.chunk_tokens,
                                 n_units=n_units, n_samples=len(encoded))
-    w = st.create(partial, manifest)
+    w = st.create(cfg.store, manifest, planning=planner)
     ids = np.zeros(cfg.shard_tokens, dtype=np.int32)
     mask = np.zeros(cfg.shard_tokens, dtype=np.uint8)
     in_offset_order = np.argsort(offsets, kind="stable")
@@ -76,5 +69,4 @@ def write_plan(cfg: ExtractConfig, manifest: st.Manifest, encoded: list[Encoded]
             j += 1
         w.write_tokens(u, ids, mask)
     w.write_index(offsets, lengths, [e.row for e in encoded], [e.file for e in encoded])
-    os.replace(partial, store)
-    return store
+    w.publish()

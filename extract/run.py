@@ -1,5 +1,8 @@
 """One extraction run: check the inputs, plan or resume the store, launch one worker per device,
-finalize. Rerunning the same command resumes: finished units are kept, the rest recomputed."""
+finalize. Rerunning the same command resumes: finished units are kept, the rest recomputed.
+
+Any number of runs may work on one store at once (on one host or many, under torchrun or not):
+planning, each unit and finalizing are claimed (extract/claims.py), so each is done once."""
 
 from __future__ import annotations
 
@@ -7,7 +10,6 @@ import errno
 import multiprocessing as mp
 import os
 import queue
-import shutil
 import threading
 import time
 from datetime import datetime, timezone
@@ -15,9 +17,11 @@ from pathlib import Path
 
 import numpy as np
 
+from extract.claims import Claims, once
 from extract.config import ExtractConfig
 from extract.plan import plan
 from shared import store as st
+from shared.location import Location, as_location
 from shared.data import describe, resolve
 from shared.progress import log, progress_bar
 from shared.target import (LAYER_CONVENTION, check_safetensors, default_layer_ids, load_embed_and_head,
@@ -31,20 +35,40 @@ class ExtractError(RuntimeError):
 
 # --- launching ------------------------------------------------------------------------------
 
+def launcher_env() -> tuple[int, int, int] | None:
+    """(rank, world, local rank) when started by torchrun (or any launcher setting its variables)."""
+    if "WORLD_SIZE" not in os.environ or "RANK" not in os.environ:
+        return None
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
+
+
 def _devices(cfg: ExtractConfig) -> list[str]:
+    """This run's worker devices: one per listed GPU, or CPU workers. Under torchrun each
+    process is one worker: GPU LOCAL_RANK (of --gpus when given), or the CPU without a GPU."""
+    env = launcher_env()
+    if env is not None:
+        _, _, local = env
+        if cfg.gpus:
+            return [f"cuda:{cfg.gpus[local % len(cfg.gpus)]}"]
+        import torch
+        return [f"cuda:{local}"] if torch.cuda.is_available() else ["cpu"]
     return [f"cuda:{g}" for g in cfg.gpus] if cfg.gpus else ["cpu"] * cfg.cpu_workers
 
 
-def launch(cfg: ExtractConfig, todo: list[int], layout: st.Layout):
+def launch(cfg: ExtractConfig, layout: st.Layout):
+    """Run this run's workers until every unit of the store is done (by them or by any other run)."""
     from extract.worker import worker_main
 
     devices = _devices(cfg)
     world = len(devices)
-    per_rank = [[u for u in todo if u % world == r] for r in range(world)]
+    env = launcher_env()
+    # which share of the units each worker starts claiming from: all processes of all nodes
+    ranks = [(env[0], env[1])] if env else [(r, world) for r in range(world)]
     threads = max(1, len(os.sched_getaffinity(0)) // world)  # the cores this process may use, per worker
     n_samples = layout.n_samples
     done_samples = sum(m["samples"] for m in st.done_units(cfg.store).values())
-    bar = progress_bar(total=n_samples, initial=done_samples, unit=" samples", disable=not cfg.progress,
+    bar = progress_bar(total=n_samples, initial=done_samples, unit=" samples",
+                       disable=not cfg.progress or (env is not None and env[0] != 0),
                        desc=f"extract ({world} worker{'s' * (world > 1)})")
     t0, tokens = time.time(), 0
     ctx = mp.get_context("spawn")
@@ -67,10 +91,10 @@ def launch(cfg: ExtractConfig, todo: list[int], layout: st.Layout):
     mon.start()
     try:
         if world == 1:
-            worker_main(cfg, 0, 1, devices[0], per_rank[0], q, threads)
+            worker_main(cfg, *ranks[0], devices[0], q, threads)
         else:
-            procs = [ctx.Process(target=worker_main, args=(cfg, r, world, d, per_rank[r], q, threads))
-                     for r, d in enumerate(devices)]
+            procs = [ctx.Process(target=worker_main, args=(cfg, r, w, d, q, threads))
+                     for (r, w), d in zip(ranks, devices)]
             for p in procs:
                 p.start()
             while any(p.is_alive() for p in procs):
@@ -97,6 +121,8 @@ def launch(cfg: ExtractConfig, todo: list[int], layout: st.Layout):
 # --- finalize -------------------------------------------------------------------------------
 
 def finalize(cfg: ExtractConfig, seconds: float) -> dict:
+    """Mark dropped samples, write the summary and the complete manifest, remove the claims.
+    Safe to repeat: a finalizer that dies is replaced by another, which does the same."""
     w = st.StoreWriter(cfg.store)
     man, layout = w.manifest, w.layout
     done = st.done_units(cfg.store)
@@ -123,6 +149,7 @@ def finalize(cfg: ExtractConfig, seconds: float) -> dict:
         "last_run_seconds": round(seconds, 1),
     }
     w.finish(summary, datetime.now(timezone.utc).isoformat(timespec="seconds"))
+    w.loc.delete_prefix(st.CLAIMS + "/")
     return summary
 
 
@@ -176,9 +203,9 @@ def check_resume(cfg: ExtractConfig, man: st.Manifest, new: st.Manifest):
 
 def run(cfg: ExtractConfig) -> dict:
     cfg.validate()
-    store = Path(cfg.store)
-    if store.exists() and not store.is_dir():
-        raise ExtractError(f"STORE {store} is an existing file, not a folder: give a new or an existing store path")
+    loc = as_location(cfg.store)
+    if loc.is_file():
+        raise ExtractError(f"STORE {loc} is an existing file, not a folder: give a new or an existing store path")
     tcfg = read_config(cfg.target)
     check_safetensors(cfg.target)
     tokenizer = load_tokenizer(cfg.target)
@@ -189,43 +216,57 @@ def run(cfg: ExtractConfig) -> dict:
         raise ExtractError(f"--layers {bad} out of range: the target has {L} decoder layers (ids 0..{L - 1})")
     sources = describe(resolve(cfg.data))
     manifest = make_manifest(cfg, tcfg, tokenizer, layer_ids, sources)
+    env = launcher_env()
+    if cfg.overwrite:
+        if env is not None and env[1] > 1:
+            raise ExtractError("--overwrite with several processes would let one delete what others write: "
+                               "delete the store first (or run once with one process)")
+        loc.delete_all()
+    state, _ = st.store_state(loc)
+    if state == "foreign":
+        raise ExtractError(f"STORE {loc} exists and is not a feature store; refusing to write into it")
+    loc.prepare()
+    with Claims(loc, cfg.lease_seconds) as claims:
+        return _run_claimed(cfg, loc, claims, manifest, tokenizer, layer_ids, tcfg["hidden_size"], state)
 
-    store.parent.mkdir(parents=True, exist_ok=True)
-    with st.exclusive_lock(store):
-        return _run_locked(cfg, store, manifest, tokenizer, layer_ids, tcfg["hidden_size"])
 
+def _run_claimed(cfg: ExtractConfig, loc: Location, claims: Claims, manifest: st.Manifest, tokenizer, layer_ids,
+                 hidden: int, state: str) -> dict:
+    def planned():
+        s = st.store_state(loc)[0]
+        if s == "foreign":
+            raise ExtractError(f"STORE {loc} exists and is not a feature store; refusing to write into it")
+        return s == "store"
 
-def _run_locked(cfg: ExtractConfig, store: Path, manifest: dict, tokenizer, layer_ids, hidden: int) -> dict:
-    if store.exists() and cfg.overwrite:
-        shutil.rmtree(store)
-    if (store / "zarr.json").exists():
-        man = st.read_manifest(store)
-        if man is None:
-            raise ExtractError(f"STORE {store} exists and is not a feature store")
-        check_resume(cfg, man, manifest)
-        if man.complete:
-            log(f"{store}: already complete, nothing to do")
-            return man.summary
-        log(f"{store}: resuming")
-    elif store.exists() and any(store.iterdir()):
-        raise ExtractError(f"STORE {store} exists and is not a feature store; refusing to write into it")
-    else:
-        plan(cfg, manifest, tokenizer, len(layer_ids), hidden)
-
-    for tmp in (store / "_progress").glob("*.tmp*"):
-        tmp.unlink()  # marker files a crash left half-written
-    layout = st.read_manifest(store).layout
-    done = st.done_units(store)
+    planner = {"owner": claims.owner, "started_at": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    once(claims, "plan", planned, lambda: plan(cfg, manifest, tokenizer, len(layer_ids), hidden, planner),
+         "planning the store")
+    man = st.read_manifest(loc)
+    check_resume(cfg, man, manifest)
+    if man.complete:
+        log(f"{loc}: already complete, nothing to do")
+        return man.summary
+    if state == "store":
+        log(f"{loc}: resuming")
+    layout = man.layout
+    done = st.done_unit_ids(loc)
     todo = [u for u in range(layout.n_units) if u not in done]
+    seconds = 0.0
     if todo:
-        check_free_space(cfg, store, layout, todo)
-    try:
-        seconds, _ = launch(cfg, todo, layout) if todo else (0.0, 0)
-    except OSError as e:
-        if e.errno != errno.ENOSPC:
-            raise
-        raise disk_full(store, layout) from None
-    return finalize(cfg, seconds)
+        check_free_space(cfg, loc, layout, todo)
+        try:
+            seconds, _ = launch(cfg, layout)
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+            raise disk_full(loc, layout) from None
+
+    def complete():
+        m = st.read_manifest(loc)
+        return m is not None and m.complete
+
+    once(claims, "finalize", complete, lambda: finalize(cfg, seconds), "finalizing the store")
+    return st.read_manifest(loc).summary
 
 
 # --- disk space -------------------------------------------------------------------------------
@@ -243,21 +284,22 @@ def bytes_per_token(layout: st.Layout) -> tuple[float, float]:
     return feat + other, feat / _RATIO.get(layout.codec, 1.2) + other / 2
 
 
-def check_free_space(cfg: ExtractConfig, store: Path, layout: st.Layout, todo: list[int]):
+def check_free_space(cfg: ExtractConfig, store: Location, layout: st.Layout, todo: list[int]):
     index = st.Store(store, require_complete=False).index()
     tokens = int(index["length"][np.isin(index["offset"] // layout.shard_tokens, todo)].sum())
     raw, est = bytes_per_token(layout)
-    need, free = tokens * est, shutil.disk_usage(store).free
+    need, free = tokens * est, store.free_bytes()
     log(f"estimated size of the features still to write: {need / 2**30:,.2f} GiB ({tokens:,.0f} tokens x "
          f"{est:,.0f} B/token: {layout.n_layers} layers x {layout.hidden} x {layout.precision}, codec "
-         f"{layout.codec}; raw {raw:,.0f} B/token); free on {store}: {free / 2**30:,.2f} GiB")
-    if need > free and not cfg.ignore_free_space:
+         f"{layout.codec}; raw {raw:,.0f} B/token); " +
+        (f"free on {store}: {free / 2**30:,.2f} GiB" if free is not None else "object storage: no free space to check"))
+    if free is not None and need > free and not cfg.ignore_free_space:
         raise ExtractError(f"STORE {store}: about {need / 2**30:,.2f} GiB of features still to write, only "
                            f"{free / 2**30:,.2f} GiB free. Free space or use another STORE; --ignore-free-space "
                            f"starts anyway (the plan is kept: rerunning resumes)")
 
 
-def disk_full(store: Path, layout: st.Layout) -> ExtractError:
+def disk_full(store: Location, layout: st.Layout) -> ExtractError:
     done = len(st.done_units(store))
     on_disk = st.disk_bytes(store)
     return ExtractError(f"STORE {store}: the disk is full (errno 28, no space left on device) after {done} of "

@@ -1,4 +1,4 @@
-"""One extraction worker: owns one device and every unit u with u % world == rank.
+"""One extraction worker: owns one device and computes the units it claims (extract/claims.py).
 
 The device never waits on compression or disk:
   - each batch's features are copied device-to-host on a side stream, straight into the pinned
@@ -25,6 +25,7 @@ import torch
 
 from shared.features import forward_features, pad_batch
 from shared import store as st
+from extract.claims import Claims, claimed_units, unit_name
 from extract.config import ExtractConfig
 from shared.progress import log
 from shared.target import compute_dtype, load_target
@@ -115,8 +116,9 @@ def writer_threads(cfg: ExtractConfig, cores: int) -> int:
 
 class Worker:
     def __init__(self, cfg: ExtractConfig, rank: int, world: int, device: torch.device, progress_q=None,
-                 model=None, cores: int | None = None):
+                 model=None, cores: int | None = None, claims: Claims | None = None):
         self.cfg, self.rank, self.world, self.device = cfg, rank, world, device
+        self.claims = claims  # None: the units given to run() are this worker's alone (benchmarks)
         self.writers = writer_threads(cfg, cores or os.cpu_count() or 1)
         self.progress_q = progress_q
         self.model = model  # benchmarks pass a model built in memory; otherwise loaded from cfg.target
@@ -164,14 +166,22 @@ class Worker:
     def _writer(self):
         while (buf := self.write_q.get()) is not _STOP:
             info = {"samples": buf.samples, "tokens": buf.tokens, "dropped": buf.dropped,
-                    "rank": self.rank, "seconds": round(time.time() - buf.started, 3)}
-            st.write_unit(self.writer, buf.unit, buf.numpy(), info)
-            if self.progress_q is not None:
-                self.progress_q.put(("unit", buf.unit, buf.samples - len(buf.dropped), buf.tokens))
+                    "rank": self.rank, "seconds": round(time.time() - buf.started, 3),
+                    "by": None if self.claims is None else self.claims.owner}
+            name = unit_name(buf.unit)
+            held = None if self.claims is None else (lambda: self.claims.holds(name))
+            if st.write_unit(self.writer, buf.unit, buf.numpy(), info, held):
+                if self.progress_q is not None:
+                    self.progress_q.put(("unit", buf.unit, buf.samples - len(buf.dropped), buf.tokens))
+            else:
+                log(f"unit {buf.unit}: not marked here (its claim was lost, or it was finished elsewhere)")
+            if self.claims is not None:
+                self.claims.release(name)
             self.pool.put(buf)
 
     # -- main loop -------------------------------------------------------------------------
-    def run(self, units: list[int]):
+    def run(self, units):
+        """units: an iterable of unit ids (claimed_units, or a list when nothing else writes)."""
         cfg, dev = self.cfg, self.device
         index = self.reader.index()
         offsets, lengths, rows, files = index["offset"], index["length"], index["row"], index["file"]
@@ -250,15 +260,19 @@ class Worker:
             self.progress_q.put(("batch", 0, len(batch), sum(ns)))
 
 
-def worker_main(cfg: ExtractConfig, rank: int, world: int, device: str, units: list[int], progress_q, threads: int):
-    """Entry point of a spawned worker process."""
+def worker_main(cfg: ExtractConfig, rank: int, world: int, device: str, progress_q, threads: int):
+    """Entry point of a worker (spawned, or in the run's own process): claims and computes units
+    until every unit of the store is done. rank/world: where in the units it starts claiming."""
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
     else:
         torch.set_num_threads(max(1, threads))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
-        Worker(cfg, rank, world, torch.device(device), progress_q, cores=threads).run(units)
+        with Claims(st.as_location(cfg.store), cfg.lease_seconds) as claims:
+            n_units = st.read_manifest(cfg.store).layout.n_units
+            Worker(cfg, rank, world, torch.device(device), progress_q, cores=threads, claims=claims).run(
+                claimed_units(claims, n_units, rank, world))
     except OSError as e:
         if e.errno == errno.ENOSPC and world > 1:  # the parent turns this exit code into its message
             raise SystemExit(errno.ENOSPC) from None

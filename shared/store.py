@@ -16,23 +16,31 @@ Layout (one Zarr v3 group; token arrays are concatenated over samples, no paddin
       index/row          (N,)   int64     sample -> source row (within its file)
       index/file         (N,)   int32     sample -> source file (names in the manifest)
       index/ok           (N,)   uint8     0 for samples dropped at extraction (NaN features)
-      _progress/unit-XXXXXXX.json         one per finished unit, written atomically
+      _progress/unit-XXXXXXX.json         one per finished unit, created whole and only once
+      _claims/*.json                      who plans / computes a unit / finalizes, while a run is
+                                          going (extract/claims.py); removed when the store is final
+
+STORE is a folder or an object-storage URL (shared/location.py); the rules below use only what
+both have: whole-object writes, create-if-absent and compare-and-swap.
 
 Units. The token axis is cut into units of `shard_tokens` tokens; every array's shard boundary
 is a unit boundary, and the planner never lets a sample straddle two units. A unit is written
-by exactly one worker in one call per array (whole shards: two writers never touch one shard,
-docs/DESIGN.md, "Measured toolchain facts"), then its marker file is renamed into `_progress/`. A unit without a
-marker is rewritten from scratch on resume, so nothing half-written can look complete.
+by the one process holding its claim, in one call per array (whole shards: two writers never
+touch one shard, docs/DESIGN.md, "Measured toolchain facts"), then its marker is created. A unit
+without a marker is rewritten from scratch on resume, so nothing half-written can look complete.
+
+The manifest. zarr.json's attributes are written whole, in one atomic write: while planning they
+hold only "dflash_planning"; the manifest ("dflash") replaces them once the tokens and the index
+are written, so a store with a manifest always has its whole plan.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import fcntl
 import json
 import os
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
@@ -42,6 +50,10 @@ import zarr
 import zarr.registry
 from zarr.codecs import BloscCodec, BloscShuffle, Crc32cCodec, ZstdCodec
 from zarr.codecs.numcodecs import LZ4, Shuffle
+from zarr.core.buffer import default_buffer_prototype
+from zarr.core.group import GroupMetadata
+
+from shared.location import Location, as_location
 
 # 2: every chunk carries a crc32c of its compressed bytes, checked by zarr on every read.
 FORMAT_VERSION = 2
@@ -216,10 +228,48 @@ class Manifest:
             raise StoreError(f"{where}: the manifest is not one this code wrote ({e})") from None
 
 
-def create(path: Path, manifest: Manifest) -> "StoreWriter":
-    """Create an empty store with every array sized for `manifest.layout`, the manifest attached."""
+PLANNING = "dflash_planning"   # zarr.json attribute of a store whose plan is being written
+CLAIMS, PROGRESS = "_claims", "_progress"
+
+
+def write_attributes(where, attributes: dict):
+    """The store's zarr.json, with these attributes, in one atomic write (see the module doc)."""
+    meta = GroupMetadata(attributes=attributes, zarr_format=3)
+    as_location(where).write("zarr.json", meta.to_buffer_dict(default_buffer_prototype())["zarr.json"].to_bytes())
+
+
+def store_state(where) -> tuple[str, dict | None]:
+    """("absent" | "planning" | "foreign" | "store", the attributes): what a location holds.
+    "absent" allows nothing but claims; "planning" is a plan being (or left half) written."""
+    loc = as_location(where)
+    raw = loc.read("zarr.json")
+    if raw is None:
+        others = loc.exists() and any(not k.startswith(CLAIMS + "/") for k in _some_keys(loc))
+        return ("foreign" if others else "absent"), None
+    try:
+        attrs = json.loads(raw).get("attributes") or {}
+    except (json.JSONDecodeError, AttributeError):
+        return "foreign", None
+    if "dflash" in attrs:
+        return "store", attrs
+    return ("planning" if PLANNING in attrs else "foreign"), attrs
+
+
+def _some_keys(loc: Location) -> list[str]:
+    if loc.local:
+        return [p.name if p.is_file() else p.name + "/" for p in loc.path.iterdir()] if loc.path.is_dir() else []
+    return loc.list("")
+
+
+def create(where, manifest: Manifest, planning: dict | None = None) -> "StoreWriter":
+    """Create an empty store with every array sized for `manifest.layout`; the manifest is
+    published by StoreWriter.publish once the plan is written. Anything but claims already at
+    the location is deleted first (the caller checked it is a store's leftover)."""
+    loc = as_location(where)
+    loc.prepare()
+    loc.delete_all(keep=(CLAIMS,))
     layout = manifest.layout
-    root = zarr.open_group(store=str(path), mode="w", zarr_format=3)
+    root = zarr.create_group(store=loc.zarr_store(), zarr_format=3, attributes={PLANNING: planning or {}})
     S = layout.shard_tokens
     for name, (shape, dtype) in layout.arrays().items():
         itemsize = np.dtype(dtype).itemsize
@@ -236,27 +286,28 @@ def create(path: Path, manifest: Manifest) -> "StoreWriter":
                           shards=(min(n, 1 << 22),) if n > (1 << 16) else None,
                           compressors=(ZstdCodec(level=3), ThreadedCrc32cCodec()), fill_value=0)
     manifest.format_version, manifest.complete = FORMAT_VERSION, False
-    root.attrs["dflash"] = manifest.to_dict()
-    (Path(path) / "_progress").mkdir(exist_ok=True)
-    return StoreWriter(path, root)
+    return StoreWriter(loc, root, manifest)
 
 
-def read_manifest(path: str | Path) -> Manifest | None:
-    """The manifest of the store at path; None if path holds no zarr group with one."""
-    if not (Path(path) / "zarr.json").exists():
-        return None
-    man = zarr.open_group(store=str(path), mode="r").attrs.get("dflash")
-    return None if man is None else Manifest.from_dict(man, str(path))
+def read_manifest(where) -> Manifest | None:
+    """The manifest of the store at `where`; None if it holds no feature store (yet)."""
+    state, attrs = store_state(where)
+    return Manifest.from_dict(attrs["dflash"], str(where)) if state == "store" else None
 
 
 class StoreWriter:
     """Every write to a store goes through here: the planner's tokens and index, the workers'
     units (whole shards, then the marker), the finalizer's flags and manifest."""
 
-    def __init__(self, path: str | Path, root: zarr.Group | None = None):
-        self.path = Path(path)
-        self.root = root if root is not None else zarr.open_group(store=str(self.path), mode="r+")
-        self.manifest = Manifest.from_dict(self.root.attrs["dflash"], str(self.path))
+    def __init__(self, where, root: zarr.Group | None = None, manifest: Manifest | None = None):
+        self.loc = as_location(where)
+        self.path = self.loc.url
+        self.root = root if root is not None else zarr.open_group(store=self.loc.zarr_store(), mode="r+")
+        if manifest is None:
+            manifest = read_manifest(self.loc)
+            if manifest is None:
+                raise StoreError(f"{self.loc}: not a feature store")
+        self.manifest = manifest
         self.layout: Layout = self.manifest.layout
         self._features: dict[str, zarr.Array] = {}
 
@@ -281,6 +332,10 @@ class StoreWriter:
         self.root["index/file"][:] = np.asarray(files, dtype=np.int32)
         self.root["index/ok"][:] = np.ones(len(offsets), dtype=np.uint8)
 
+    def publish(self):
+        """Attach the manifest: from here on the location is a (not yet complete) store."""
+        write_attributes(self.loc, {"dflash": self.manifest.to_dict()})
+
     def mark_dropped(self, samples: list[int]):
         ok = self.root["index/ok"][:]
         ok[np.asarray(samples, dtype=np.int64)] = 0
@@ -288,7 +343,7 @@ class StoreWriter:
 
     def finish(self, summary: dict, completed_at: str):
         self.manifest.complete, self.manifest.summary, self.manifest.completed_at = True, summary, completed_at
-        self.root.attrs["dflash"] = self.manifest.to_dict()
+        self.publish()
 
 
 # --- dtype helpers --------------------------------------------------------------------------
@@ -343,7 +398,7 @@ def crc(a: np.ndarray) -> int:
     return zlib.crc32(np.ascontiguousarray(a).view(np.uint8).reshape(-1)) & 0xFFFFFFFF
 
 
-# --- atomic files and the writer's lock -------------------------------------------------------
+# --- atomic files ---------------------------------------------------------------------------
 
 def atomic_write_text(path: Path, text: str):
     """Write through a temporary name in the same folder, then rename: readers see the old file
@@ -354,58 +409,44 @@ def atomic_write_text(path: Path, text: str):
     os.replace(tmp, path)
 
 
-@contextlib.contextmanager
-def exclusive_lock(store: Path):
-    """One writer per store: an flock on STORE.lock, held for the run and removed on exit (also
-    after a refused run), so nothing is left beside the store. The holder unlinks the file while
-    it still holds it; a run that locked a file someone has since unlinked retries on the new one."""
-    path = Path(store).with_name(Path(store).name + ".lock")
-    while True:
-        fh = open(path, "a+")
-        try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            fh.close()
-            raise StoreError(f"STORE {store} is being written by another extract run") from None
-        try:
-            same = os.fstat(fh.fileno()).st_ino == os.stat(path).st_ino
-        except FileNotFoundError:
-            same = False
-        if same:
-            break
-        fh.close()
-    try:
-        yield
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(path)
-        fh.close()
-
-
 # --- units ----------------------------------------------------------------------------------
 
-def marker_path(path: Path, unit: int) -> Path:
-    return Path(path) / "_progress" / f"unit-{unit:07d}.json"
+def marker_key(unit: int) -> str:
+    return f"{PROGRESS}/unit-{unit:07d}.json"
 
 
-def done_units(path: Path) -> dict[int, dict]:
-    out = {}
-    for p in (Path(path) / "_progress").glob("unit-*.json"):
-        out[int(p.stem.split("-")[1])] = json.loads(p.read_text())
-    return out
+def done_unit_ids(where) -> set[int]:
+    """Units with a marker (one listing, no reads)."""
+    return {int(k.rsplit("-", 1)[1].split(".")[0]) for k in as_location(where).list(PROGRESS + "/")
+            if k.endswith(".json")}
 
 
-def write_unit(w: StoreWriter, unit: int, arrays: dict[str, np.ndarray], info: dict):
-    """Write one unit's feature arrays (full shards) then mark it done atomically."""
+def done_units(where) -> dict[int, dict]:
+    """Every finished unit's marker (in parallel: one request each on object storage)."""
+    loc = as_location(where)
+    ids = sorted(done_unit_ids(loc))
+    with ThreadPoolExecutor(1 if loc.local else 32) as ex:
+        raws = list(ex.map(lambda u: loc.read(marker_key(u)), ids))
+    return {u: json.loads(r) for u, r in zip(ids, raws) if r is not None}
+
+
+def write_unit(w: StoreWriter, unit: int, arrays: dict[str, np.ndarray], info: dict, held=None) -> bool:
+    """Write one unit's feature arrays (full shards), then create its marker. held(): whether
+    this process still holds the unit's claim, asked before each shard and before the marker; a
+    unit whose claim was lost is left to its new holder. False if the unit was not marked here."""
     lo, hi = unit * w.layout.shard_tokens, (unit + 1) * w.layout.shard_tokens
     checks = {}
     for name, data in arrays.items():
         assert data.shape[0] == w.layout.shard_tokens, (name, data.shape)
+        if held is not None and not held():
+            return False
         w.feature_array(name)[lo:hi] = data
         checks[name] = crc(data)
+    if held is not None and not held():
+        return False
     info = {**info, "unit": unit, "crc32": checks}
-    # the marker appears only after every shard of the unit is written
-    atomic_write_text(marker_path(w.path, unit), json.dumps(info))
+    # the marker appears only after every shard of the unit is written, and only once
+    return w.loc.create(marker_key(unit), json.dumps(info).encode()) is not None
 
 
 # --- reading --------------------------------------------------------------------------------
@@ -425,20 +466,22 @@ class Store:
     """Read-only view of a store. Opening costs the same for any number of samples: only the
     manifest is read; the index is read a chunk at a time as samples are asked for."""
 
-    def __init__(self, path: str | Path, require_complete: bool = True):
-        self.path = Path(path)
-        if not (self.path / "zarr.json").exists():
-            partial = self.path.with_name(self.path.name + ".partial")
-            hint = f" (a planning run was interrupted: {partial} exists)" if partial.exists() else ""
-            raise StoreError(f"{self.path}: not a feature store (no zarr.json){hint}")
-        self.root = zarr.open_group(store=str(self.path), mode="r")
-        man = self.root.attrs.get("dflash")
-        if man is None:
-            raise StoreError(f"{self.path}: a zarr group but not a feature store (no 'dflash' manifest)")
-        self.manifest = Manifest.from_dict(man, str(self.path))
+    def __init__(self, where, require_complete: bool = True):
+        self.loc = as_location(where)
+        self.path = self.loc.url
+        state, attrs = store_state(self.loc)
+        if state == "planning":
+            raise StoreError(f"{self.path}: extraction is still planning (or its planning was interrupted): "
+                             f"rerun the same extract command to finish it")
+        if state != "store":
+            what = "a zarr group but not a feature store (no 'dflash' manifest)" if attrs is not None else \
+                "not a feature store (no zarr.json)"
+            raise StoreError(f"{self.path}: {what}")
+        self.root = zarr.open_group(store=self.loc.zarr_store(read_only=True), mode="r")
+        self.manifest = Manifest.from_dict(attrs["dflash"], str(self.path))
         self.layout: Layout = self.manifest.layout
         if require_complete and not self.manifest.complete:
-            n_done = len(list((self.path / "_progress").glob("unit-*.json")))
+            n_done = len(done_unit_ids(self.loc))
             raise StoreError(f"{self.path}: extraction is not complete ({n_done} of {self.layout.n_units} units "
                              f"written); rerun the same extract command to finish it")
         self.layer_ids: list[int] = list(self.manifest.layer_ids)
@@ -556,9 +599,9 @@ class Store:
         return self.array("index/ok")[:].astype(bool)
 
     def disk_bytes(self) -> int:
-        return disk_bytes(self.path)
+        return disk_bytes(self.loc)
 
 
-def disk_bytes(path: str | Path) -> int:
-    """Bytes a store (or any folder) takes on disk, every file counted."""
-    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
+def disk_bytes(where) -> int:
+    """Bytes a store takes on disk or on object storage, every file or object counted."""
+    return as_location(where).size()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import shutil
+import time
 
 import numpy as np
 import pytest
@@ -154,9 +155,8 @@ def test_store_that_is_a_regular_file_is_refused(tiny, tmp_path):
 
 
 def test_free_space_estimate_refuses_and_can_be_overridden(tiny, tmp_path, monkeypatch, capsys):
-    import extract.run as ex
     real = shutil.disk_usage
-    monkeypatch.setattr(ex.shutil, "disk_usage", lambda p: real(p)._replace(free=20_000))
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=20_000))
     store = tmp_path / "s"
     with pytest.raises(ExtractError, match=r"GiB of features still to write, only 0.00 GiB free.*--ignore-free-space"):
         run(extract_cfg(tiny, store))
@@ -189,18 +189,36 @@ def test_disk_full_is_a_clear_message_and_a_rerun_resumes(tiny, tmp_path, monkey
     assert all(np.array_equal(a[k], b[k]) for k in a)
 
 
-def test_no_lock_file_is_left_and_a_held_lock_refuses(tiny, tmp_path):
+def test_no_claim_is_left_and_a_live_claim_is_waited_for(tiny, tmp_path, monkeypatch):
+    """Claims live only while a store is being made: none after it is complete, none after a
+    refused run; a unit claimed by a live process of another run is left to it (the run waits,
+    and takes it over once the lease runs out)."""
     store = tmp_path / "s"
     run(extract_cfg(tiny, store, layer_ids=[0], topk=2))
-    assert not (tmp_path / "s.lock").exists()
+    assert not (store / "_claims").exists() and not list(tmp_path.glob("s.*"))
     with pytest.raises(ExtractError):  # refused run (other settings)
         run(extract_cfg(tiny, store, layer_ids=[1], topk=2))
-    assert not (tmp_path / "s.lock").exists()
-    with st.exclusive_lock(store):
-        with pytest.raises(st.StoreError, match="being written by another extract run"):
-            run(extract_cfg(tiny, store, layer_ids=[0], topk=2))
-        assert (tmp_path / "s.lock").exists()  # the holder's lock survives the refused run
-    assert not (tmp_path / "s.lock").exists()
+    assert not (store / "_claims").exists()
+
+    from extract.claims import Claims
+    other = tmp_path / "o"
+    run(extract_cfg(tiny, other, layer_ids=[0], topk=2, max_batch=1))  # a reference
+    fresh = tmp_path / "f"
+    monkeypatch.setattr(st, "write_unit", lambda *a, **kw: (_ for _ in ()).throw(KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):
+        run(extract_cfg(tiny, fresh, layer_ids=[0], topk=2, max_batch=1))
+    monkeypatch.undo()
+    # unit 0 held by a live process (this one, as another owner) whose lease runs out in 4 s
+    holder = Claims(st.as_location(fresh), lease_s=4)
+    assert holder.take("unit-0000000")
+    t0 = time.time()
+    run(extract_cfg(tiny, fresh, layer_ids=[0], topk=2, max_batch=1, lease_seconds=4))
+    assert time.time() - t0 >= 3  # it waited for the lease
+    holder.renew()  # the claim was taken over (and the store finalized): the old holder knows it lost it
+    assert not holder.holds("unit-0000000")
+    a, b = read_all(other), read_all(fresh)
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+    assert not (fresh / "_claims").exists()
 
 
 # --- verify ----------------------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -14,6 +15,7 @@ import pytest
 import torch
 
 from conftest import extract_cfg, read_all
+from extract.claims import Claims
 from extract.plan import assign_units
 from extract.run import ExtractError, run
 from extract.worker import bucket_length
@@ -150,13 +152,32 @@ def test_kill_9_then_resume_equals_uninterrupted(tiny, reference, tmp_path):
     assert res.returncode == 0 and "already complete" in res.stderr
 
 
-def test_interrupted_planning_leaves_no_store(tiny, tmp_path):
+def test_interrupted_planning_leaves_no_store(tiny, reference, tmp_path, monkeypatch):
+    """A planner that dies after writing part of its plan leaves a store that refuses to be read;
+    a rerun takes the dead planner's claim over at once (its pid is gone) and plans again."""
     store = tmp_path / "s"
-    partial = tmp_path / "s.partial"
-    partial.mkdir()
-    (partial / "junk").write_text("half a plan")
-    run(extract_cfg(tiny, store))
-    assert not partial.exists() and st.Store(store).manifest.complete
+    real = st.StoreWriter.write_index
+
+    def crash(*a, **kw):
+        raise KeyboardInterrupt("killed while planning")
+
+    monkeypatch.setattr(st.StoreWriter, "write_index", crash)
+    with pytest.raises(KeyboardInterrupt):
+        run(extract_cfg(tiny, store, max_batch=1))
+    assert st.store_state(store)[0] == "planning"
+    with pytest.raises(st.StoreError, match="still planning"):
+        st.Store(store, require_complete=False)
+    # the planner's claim as a process killed with -9 leaves it: held, unexpired, its pid dead
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    claims = Claims(st.as_location(store))
+    rec = json.loads(claims._record(time.time() + 3600))
+    (store / "_claims").mkdir(exist_ok=True)
+    (store / "_claims" / "plan.json").write_text(json.dumps({**rec, "pid": int(dead.stdout)}))
+    monkeypatch.setattr(st.StoreWriter, "write_index", real)
+    run(extract_cfg(tiny, store, max_batch=1))
+    assert st.Store(store).manifest.complete and not (store / "_claims").exists()
+    ref, got = read_all(reference[0]), read_all(store)
+    assert all(np.array_equal(ref[k], got[k]) for k in ref)
 
 
 def test_resume_with_other_settings_refuses_and_leaves_store_intact(tiny, reference, tmp_path):

@@ -1,0 +1,257 @@
+"""Where a store lives: a local (or shared POSIX) folder, or a prefix on object storage.
+
+Everything the store's crash-safety and claiming rules need, and nothing more, with the same
+meaning on both (docs/DESIGN.md, "Stores on object storage"):
+
+    write(key, data)            the whole object or file appears at once, or not at all
+    create(key, data) -> token  write only if the key does not exist (else None); exactly one
+                                of several concurrent creators wins
+    read_versioned(key)         (data, token); replace(key, data, token) writes only if the key
+                                is unchanged since that read (compare-and-swap)
+
+Local folders get them from rename(2), link(2) and an flock on the claims folder; object stores
+from a PUT (atomic by definition), `If-None-Match: *` and `If-Match: <etag>` (S3 since 2024,
+GCS, Azure; SeaweedFS and MinIO too). Object stores go through obstore, which zarr also reads
+them with; credentials and endpoints come from the client's usual environment (AWS_* for S3,
+GOOGLE_* for GCS, AZURE_* for Azure), never from our files.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+_SCHEMES = ("s3://", "s3a://", "gs://", "gcs://", "az://", "abfs://", "azure://", "memory://", "http://",
+            "https://")
+
+
+def is_url(spec: str | Path) -> bool:
+    return isinstance(spec, str) and spec.startswith(_SCHEMES)
+
+
+class Location:
+    """A store's root. Keys are '/'-separated paths relative to it (e.g. '_progress/unit-0000001.json')."""
+
+    url: str
+    local: bool
+
+    def __str__(self) -> str:
+        return self.url
+
+    def child(self, name: str) -> "Location":  # the same kind of location, one level down
+        raise NotImplementedError
+
+
+class LocalLocation(Location):
+    local = True
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.url = str(path)
+
+    def child(self, name: str) -> "LocalLocation":
+        return LocalLocation(self.path / name)
+
+    def zarr_store(self, read_only: bool = False):
+        return str(self.path)
+
+    def _p(self, key: str) -> Path:
+        return self.path / key
+
+    def exists(self) -> bool:
+        return self.path.exists()
+
+    def is_file(self) -> bool:
+        return self.path.is_file()
+
+    def read(self, key: str) -> bytes | None:
+        try:
+            return self._p(key).read_bytes()
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+
+    def write(self, key: str, data: bytes):
+        p = self._p(key)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_name(f"{p.name}.tmp{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        tmp.write_bytes(data)
+        os.replace(tmp, p)
+
+    def create(self, key: str, data: bytes):
+        p = self._p(key)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_name(f"{p.name}.tmp{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        tmp.write_bytes(data)
+        try:
+            os.link(tmp, p)  # fails if p exists; p appears with its whole content
+            st = p.stat()
+            return st.st_ino, st.st_mtime_ns, st.st_size
+        except FileExistsError:
+            return None
+        finally:
+            tmp.unlink()
+
+    @contextlib.contextmanager
+    def _folder_lock(self, key: str):
+        fd = os.open(self._p(key).parent, os.O_RDONLY)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)
+
+    def read_versioned(self, key: str):
+        p = self._p(key)
+        try:
+            with self._folder_lock(key):
+                st = p.stat()
+                return p.read_bytes(), (st.st_ino, st.st_mtime_ns, st.st_size)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+
+    def replace(self, key: str, data: bytes, token) -> object | None:
+        """Write data if key still is what read_versioned returned with token; the new token or None."""
+        p = self._p(key)
+        try:
+            with self._folder_lock(key):
+                st = p.stat()
+                if (st.st_ino, st.st_mtime_ns, st.st_size) != token:
+                    return None
+                self.write(key, data)
+                st = p.stat()
+                return st.st_ino, st.st_mtime_ns, st.st_size
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+
+    def list(self, prefix: str) -> list[str]:
+        """Keys under a folder prefix ('_progress/'), temporary files excluded."""
+        d = self._p(prefix)
+        if not d.is_dir():
+            return []
+        return sorted(f"{prefix}{p.name}" for p in d.iterdir() if p.is_file() and ".tmp" not in p.name)
+
+    def delete(self, key: str):
+        with contextlib.suppress(FileNotFoundError):
+            self._p(key).unlink()
+
+    def delete_prefix(self, prefix: str):
+        shutil.rmtree(self._p(prefix), ignore_errors=True)
+
+    def delete_all(self, keep: tuple[str, ...] = ()):
+        """Everything in the store except the top-level entries named in keep."""
+        if not self.path.is_dir():
+            return
+        for p in self.path.iterdir():
+            if p.name in keep:
+                continue
+            shutil.rmtree(p) if p.is_dir() else p.unlink()
+
+    def size(self) -> int:
+        return sum(f.stat().st_size for f in self.path.rglob("*") if f.is_file())
+
+    def free_bytes(self) -> int:
+        p = self.path
+        while not p.exists():
+            p = p.parent
+        return shutil.disk_usage(p).free
+
+    def prepare(self):
+        self.path.mkdir(parents=True, exist_ok=True)
+
+
+class ObjectLocation(Location):
+    local = False
+
+    def __init__(self, url: str, store=None):
+        import obstore
+        from obstore.store import from_url
+
+        self.url = url.rstrip("/")
+        self._obs = obstore
+        self.store = store if store is not None else from_url(self.url)
+
+    def child(self, name: str) -> "ObjectLocation":
+        return ObjectLocation(f"{self.url}/{name}")
+
+    def zarr_store(self, read_only: bool = False):
+        from zarr.storage import ObjectStore
+        return ObjectStore(self.store, read_only=read_only)
+
+    def exists(self) -> bool:
+        # listed objects, not "folders": some servers keep an emptied folder listed
+        return any(len(batch) for batch in self._obs.list(self.store, chunk_size=1))
+
+    def is_file(self) -> bool:
+        return False
+
+    def read(self, key: str) -> bytes | None:
+        got = self.read_versioned(key)
+        return None if got is None else got[0]
+
+    def read_versioned(self, key: str):
+        try:
+            r = self._obs.get(self.store, key)
+        except FileNotFoundError:
+            return None
+        return bytes(r.bytes()), r.meta["e_tag"]
+
+    def write(self, key: str, data: bytes):
+        self._obs.put(self.store, key, data)
+
+    def create(self, key: str, data: bytes):
+        try:
+            return self._obs.put(self.store, key, data, mode="create")["e_tag"]
+        except (self._obs.exceptions.AlreadyExistsError, self._obs.exceptions.PreconditionError):
+            return None
+
+    def replace(self, key: str, data: bytes, token) -> object | None:
+        try:
+            r = self._obs.put(self.store, key, data, mode={"e_tag": token})
+        except (self._obs.exceptions.PreconditionError, FileNotFoundError):
+            return None
+        return r["e_tag"]
+
+    def _metas(self, prefix: str = ""):
+        for batch in self._obs.list(self.store, prefix or None, chunk_size=1000):
+            yield from batch
+
+    def list(self, prefix: str) -> list[str]:
+        return sorted(m["path"] for m in self._metas(prefix))
+
+    def delete(self, key: str):
+        with contextlib.suppress(FileNotFoundError):
+            self._obs.delete(self.store, key)
+
+    def delete_prefix(self, prefix: str):
+        keys = self.list(prefix)
+        for i in range(0, len(keys), 1000):
+            self._obs.delete(self.store, keys[i:i + 1000])
+
+    def delete_all(self, keep: tuple[str, ...] = ()):
+        keys = [m["path"] for m in self._metas() if m["path"].split("/", 1)[0] not in keep]
+        for i in range(0, len(keys), 1000):
+            self._obs.delete(self.store, keys[i:i + 1000])
+
+    def size(self) -> int:
+        return sum(m["size"] for m in self._metas())
+
+    def free_bytes(self) -> None:
+        return None  # object storage has no free space to check
+
+    def prepare(self):
+        pass
+
+
+def as_location(where: "str | Path | Location") -> Location:
+    """A Location for a store given as a path, a URL, or already a Location."""
+    if isinstance(where, Location):
+        return where
+    if is_url(where):
+        return ObjectLocation(str(where))
+    if isinstance(where, str) and where.startswith("file://"):
+        where = where[len("file://"):]
+    return LocalLocation(where)
