@@ -40,15 +40,46 @@ def extract_cfg(tiny, store: Path, **kw):
     return ExtractConfig(**base)
 
 
-def read_all(store: Path) -> dict:
-    """Every array of a store as numpy, for exact comparisons."""
-    import zarr
-    g = zarr.open_group(str(store), mode="r")
+def read_all(store) -> dict:
+    """Every array of a store (a folder or a URL) as numpy, for exact comparisons."""
+    from shared.store import Store
+    g = Store(store, require_complete=False).root
     out = {}
     for group in ("tokens", "features", "logits", "index"):
         for name, arr in g[group].arrays():
             out[f"{group}/{name}"] = arr[:]
     return out
+
+
+@pytest.fixture(scope="session")
+def draft(tiny, tmp_path_factory):
+    """A 2-layer drafter on target layers [0, 3] (a subset of the store's [0, 1, 3])."""
+    from train.config import DrafterConfig
+    cfg = DrafterConfig(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                        intermediate_size=128, num_hidden_layers=2, vocab_size=512, num_target_layers=4,
+                        target_layer_ids=[0, 3], mask_token_id=tiny["tokenizer"].mask_token_id, block_size=4,
+                        layer_types=["sliding_attention", "full_attention"], sliding_window=32)
+    path = tmp_path_factory.mktemp("draft") / "config.json"
+    path.write_text(json.dumps(cfg.to_hf()))
+    return path
+
+
+def tcfg(store, draft, out, **kw):
+    base = dict(store=str(store), out=str(out), draft=str(draft), seq_len=256, max_anchors=16, epochs=1,
+                lr=3e-3, log_every=2, save_every=1000, workers=0, progress=False, loss_chunk=64)
+    base.update(kw)
+    from train.config import TrainConfig
+    return TrainConfig(**base)
+
+
+def params(out: Path) -> dict:
+    import torch
+    ck = torch.load(out / "checkpoints" / (out / "checkpoints" / "latest").read_text(), weights_only=False)
+    return ck["model"]
+
+
+def history(out: Path) -> list[dict]:
+    return [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def mask_runs(tok, ids, mask) -> list[str]:
@@ -63,3 +94,20 @@ def mask_runs(tok, ids, mask) -> list[str]:
     if cur:
         runs.append(cur)
     return [tok.decode(r) for r in runs]
+
+
+@pytest.fixture(scope="session")
+def s3(tmp_path_factory):
+    """A real S3 server on 127.0.0.1 (SeaweedFS) for the whole session, its client settings in
+    the environment (inherited by the subprocesses the tests start)."""
+    from shared.s3local import S3Server
+    server = S3Server(tmp_path_factory.mktemp("s3")).start()
+    saved = {k: os.environ.get(k) for k in server.env}
+    os.environ.update(server.env)
+    yield server
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    server.stop()

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import extract_cfg
+from conftest import extract_cfg, history, params, tcfg
 from extract.run import run as extract_run
 from train.config import ConfigError, DrafterConfig, TrainConfig
 
@@ -25,34 +25,6 @@ def store(tiny, tmp_path_factory):
     path = tmp_path_factory.mktemp("train") / "store"
     extract_run(extract_cfg(tiny, path))
     return path
-
-
-@pytest.fixture(scope="module")
-def draft(tiny, tmp_path_factory):
-    """A 2-layer drafter on target layers [0, 3] (a subset of the store's [0, 1, 3])."""
-    cfg = DrafterConfig(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-                        intermediate_size=128, num_hidden_layers=2, vocab_size=512, num_target_layers=4,
-                        target_layer_ids=[0, 3], mask_token_id=tiny["tokenizer"].mask_token_id, block_size=4,
-                        layer_types=["sliding_attention", "full_attention"], sliding_window=32)
-    path = tmp_path_factory.mktemp("draft") / "config.json"
-    path.write_text(json.dumps(cfg.to_hf()))
-    return path
-
-
-def tcfg(store, draft, out, **kw):
-    base = dict(store=str(store), out=str(out), draft=str(draft), seq_len=256, max_anchors=16, epochs=1,
-                lr=3e-3, log_every=2, save_every=1000, workers=0, progress=False, loss_chunk=64)
-    base.update(kw)
-    return TrainConfig(**base)
-
-
-def params(out: Path) -> dict:
-    ck = torch.load(out / "checkpoints" / (out / "checkpoints" / "latest").read_text(), weights_only=False)
-    return ck["model"]
-
-
-def history(out: Path) -> list[dict]:
-    return [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
 
 
 def test_short_run_lowers_loss(store, draft, tmp_path):

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from shared.location import is_url
 from shared.store import Store, StoreError
 from train.mask import sample_anchors
 
@@ -109,6 +110,9 @@ class RowDataset(Dataset):
     def __len__(self):
         return len(self.rows) - self.first_row
 
+    def __getstate__(self):  # loader workers open their own store
+        return {**self.__dict__, "_store": None}
+
     @property
     def store(self) -> Store:
         if self._store is None:  # opened in each loader worker, not pickled across
@@ -171,4 +175,8 @@ def make_loader(ds: RowDataset, micro_batch: int, workers: int, prefetch: int, p
     kw = dict(num_workers=workers, pin_memory=pin)
     if workers > 0:
         kw.update(prefetch_factor=prefetch, persistent_workers=False)
+        if is_url(ds.store_path):
+            # the object-storage client runs a thread pool (tokio) that a fork() copies in a
+            # locked state: workers forked from this process hang on their first read
+            kw["multiprocessing_context"] = "forkserver"
     return DataLoader(ds, batch_size=micro_batch, shuffle=False, drop_last=True, **kw)
