@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import shutil
 import tempfile
 import time
@@ -163,18 +164,21 @@ def step(device, dcfg, S, A, modes, steps):
 
 # --- loader ---------------------------------------------------------------------------------
 
-def loader(device, dcfg, S, A, n_samples, workers, step_ms, tmpdir, precision="bf16", codec="zstd1"):
+def loader(device, dcfg, S, A, n_samples, workers, step_ms, tmpdir, precision="bf16", codec="zstd1", s3=None):
+    """s3: a running shared.s3local.S3Server: the same store written to and read from it."""
+    where = "local disk" if s3 is None else f"S3 ({s3.endpoint})"
     section(f"loader: {n_samples} samples x 4 passes of {S} tokens, {len(dcfg.target_layer_ids)} layers x "
-            f"{dcfg.hidden_size}, {workers} workers, {precision}/{codec}")
+            f"{dcfg.hidden_size}, {workers} workers, {precision}/{codec}, store on {where}")
     from extract.plan import write_plan
     from extract.run import finalize
     from shapes import synthetic_manifest
     from shared.data import Encoded
     from shared import store as st
     from extract.config import ExtractConfig
+    from shared.location import as_location
     from train.loader import EpochPlan, RowDataset, RowSpec, make_loader
-    store = Path(tmpdir) / "loader-store"
-    shutil.rmtree(store, ignore_errors=True)
+    store = str(Path(tmpdir) / "loader-store") if s3 is None else s3.url("bench/loader-store")
+    as_location(store).delete_all()
     L, H = len(dcfg.target_layer_ids), dcfg.hidden_size
     cfg = ExtractConfig(data="synthetic", target="none", store=str(store), layer_ids=dcfg.target_layer_ids,
                         max_len=S, shard_tokens=S, batch_tokens=S, progress=False, precision=precision, codec=codec)
@@ -196,7 +200,8 @@ def loader(device, dcfg, S, A, n_samples, workers, step_ms, tmpdir, precision="b
     write_s = time.perf_counter() - t
     finalize(cfg, write_s)
     raw = n_samples * S * L * H * 2
-    print(f"wrote {raw / 1e9:.1f} GB raw in {write_s:.1f}s ({raw / write_s / 1e9:.2f} GB/s with zarr's threads)")
+    print(f"wrote {raw / 1e9:.1f} GB raw in {write_s:.1f}s ({raw / write_s / 1e9:.2f} GB/s: one writer thread, "
+          f"zarr's codec threads)")
     s = st.Store(store)
     rows = EpochPlan(s, S, 0, 0, 1).rows(0) * 4  # 4 passes: worker start-up amortised (page cache warm)
     out = {}
@@ -218,8 +223,9 @@ def loader(device, dcfg, S, A, n_samples, workers, step_ms, tmpdir, precision="b
         best = max(v["rows_s"] for v in out.values())
         print(f"one GPU's step consumes {need:.2f} rows/s ({need * S * L * H * 2 / 1e9:.2f} GB/s): "
               f"loader headroom {best / need:.2f}x")
-    RESULTS[f"loader_{precision}_{codec}"] = {"by_workers": out, "step_rows_s": need}
-    shutil.rmtree(store, ignore_errors=True)
+    RESULTS[f"loader_{precision}_{codec}_{'local' if s3 is None else 's3'}"] = {
+        "by_workers": out, "step_rows_s": need, "write_gb_s": raw / write_s / 1e9}
+    as_location(store).delete_all()
 
 
 # --- online vs offline ----------------------------------------------------------------------
@@ -290,6 +296,8 @@ def main():
     ap.add_argument("--step-ms", type=float, default=None, help="step time the loader must keep up with "
                                                                 "(default: measured by the step section)")
     ap.add_argument("--loader-stores", default="bf16/zstd1", help="precision/codec list, e.g. bf16/zstd1,fp8/zstd1")
+    ap.add_argument("--loader-where", default="local", help="local,s3: also put the store on a local S3 server "
+                    "(SeaweedFS, shared/s3local.py) and read it from there")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -311,9 +319,29 @@ def main():
                 modes = a.modes.split(",") if device.type == "cuda" else ["none"]
                 step_ms = step(device, dcfg, S, A, modes, a.steps)
             elif name == "loader":
-                for spec in a.loader_stores.split(","):
-                    prec, codec = spec.split("/")
-                    loader(device, dcfg, S, A, a.loader_samples, a.workers, step_ms, tmp, prec, codec)
+                wheres = a.loader_where.split(",")
+                server = None
+                if "s3" in wheres:
+                    from shared.s3local import S3Server
+                    server = S3Server(Path(tmp) / "s3").start()
+                    os.environ.update(server.env)
+                try:
+                    for spec in a.loader_stores.split(","):
+                        prec, codec = spec.split("/")
+                        for where in wheres:
+                            loader(device, dcfg, S, A, a.loader_samples, a.workers, step_ms, tmp, prec, codec,
+                                   server if where == "s3" else None)
+                        if len(wheres) > 1:
+                            loc, obj = (RESULTS[f"loader_{prec}_{codec}_{w}"] for w in ("local", "s3"))
+                            print(f"\n{'workers':>8s}{'local rows/s':>14s}{'S3 rows/s':>11s}{'S3 / local':>12s}")
+                            for w in loc["by_workers"]:
+                                l, o = loc["by_workers"][w]["rows_s"], obj["by_workers"][w]["rows_s"]
+                                print(f"{w:8d}{l:14.2f}{o:11.2f}{o / l:12.3f}")
+                            print(f"writes: local {loc['write_gb_s']:.2f} GB/s, S3 {obj['write_gb_s']:.2f} GB/s "
+                                  f"(S3 / local {obj['write_gb_s'] / loc['write_gb_s']:.3f})", flush=True)
+                finally:
+                    if server is not None:
+                        server.stop()
             elif name == "online":
                 online(device, dcfg, S, A, a.steps, a.target_layers)
         except Exception as e:  # a section that could not run says so; the others still run
