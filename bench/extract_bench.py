@@ -269,7 +269,9 @@ def main():
             env = {**os.environ, "TRITON_CACHE_DIR": caches[key], "TORCHINDUCTOR_CACHE_DIR": caches[key] + "/inductor",
                    "TRITON_PRINT_AUTOTUNING": "1"}
             p = subprocess.run(cmd, env=env, capture_output=True, text=True)
-            tunes = [float(m) for m in re.findall(r"Triton autotuning for function \S+,?.*? finished after ([0-9.]+)s", p.stdout + p.stderr)]
+            # Triton prints "Triton autotuning for function NAME,\nwith key as ...,\nfinished after Xs" (one line or several)
+            tunes = [float(m) for m in re.findall(r"Triton autotuning for function \S+.*?finished after ([0-9.]+)s",
+                                                   p.stdout + p.stderr, flags=re.S)]
             if p.returncode != 0 or not out.exists():
                 print(f"run {spec} FAILED (exit {p.returncode}):\n{(p.stdout + p.stderr)[-3000:]}", flush=True)
                 results.append({"run": spec, "error": (p.stdout + p.stderr)[-3000:]})

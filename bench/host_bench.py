@@ -29,6 +29,7 @@ from shapes import synthetic_manifest  # noqa: E402  (adds the repo to sys.path)
 
 from extract.config import ExtractConfig
 from extract.plan import write_plan
+from shared.location import as_location
 from shared import store as st
 from shared.data import Encoded
 
@@ -100,12 +101,19 @@ def main():
     ap.add_argument("--goal-gbs", type=float, default=2.0)
     ap.add_argument("--zarr-crc", action="store_true", help="baseline: zarr's own crc32c codec (inline on its event loop)")
     ap.add_argument("--dir", default=None)
+    ap.add_argument("--s3", action="store_true", help="write to (and read from) a local S3 server (SeaweedFS, "
+                    "shared/s3local.py) instead of the disk")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     if a.zarr_crc:
         import zarr
         zarr.config.set({"codecs.crc32c": "zarr.codecs.crc32c_.Crc32cCodec"})
     tmp = Path(a.dir or tempfile.mkdtemp(prefix="hbench-"))
+    server = None
+    if a.s3:
+        from shared.s3local import S3Server
+        server = S3Server(tmp / "s3").start()
+        os.environ.update(server.env)
     S = a.shard_tokens
     cfg = ExtractConfig(data="synthetic", target="in-memory", store="", max_len=S, precision=a.precision,
                         codec=a.codec, topk=16, batch_tokens=S, shard_tokens=S, progress=False)
@@ -114,15 +122,14 @@ def main():
     template = None
     rows = []
     print(f"units of {S} tokens x {a.layers} layers x {a.hidden} ({a.precision}/{a.codec}, crc32c "
-          f"{'zarr inline' if a.zarr_crc else 'threaded'}); "
+          f"{'zarr inline' if a.zarr_crc else 'threaded'}) on {'S3 at ' + server.endpoint if server else tmp}; "
           f"{os.cpu_count()} CPUs visible; {n_units} units per row")
     print(f"{'threads':>8s}{'raw GB/s':>10s}{'cores busy':>12s}{'GB/s per core':>15s}{'disk GB/s':>11s}"
           f"{'read GB/s':>11s}{'read cores':>12s}")
     for W in [int(x) for x in a.threads.split(",")]:
-        store = tmp / f"store-{W}"
-        shutil.rmtree(store, ignore_errors=True)
-        shutil.rmtree(store.with_name(store.name + ".partial"), ignore_errors=True)
-        cfg.store = str(store)
+        store = server.url(f"hbench/store-{W}") if server else str(tmp / f"store-{W}")
+        as_location(store).delete_all()
+        cfg.store = store
         man = synthetic_manifest(cfg, a.hidden, a.layers, 248_320, list(range(a.layers)), n_units)
         write_plan(cfg, man, enc, a.layers, a.hidden)
         layout = st.read_manifest(store).layout
@@ -150,7 +157,9 @@ def main():
         rows.append(r)
         print(f"{W:8d}{r['raw_gbs']:10.2f}{r['cores_busy']:12.1f}{r['gbs_per_core']:15.3f}{r['disk_gbs']:11.2f}"
               f"{r['read_raw_gbs']:11.2f}{r['read_cores_busy']:12.1f}", flush=True)
-        shutil.rmtree(store, ignore_errors=True)
+        as_location(store).delete_all()
+    if server is not None:
+        server.stop()
     best = max(rows, key=lambda r: r["raw_gbs"])
     per_core = np.median([r["gbs_per_core"] for r in rows])
     print(f"best {best['raw_gbs']:.2f} GB/s with {best['threads']} threads ({best['cores_busy']:.1f} cores busy); "

@@ -164,11 +164,12 @@ def step(device, dcfg, S, A, modes, steps):
 
 # --- loader ---------------------------------------------------------------------------------
 
-def loader(device, dcfg, S, A, n_samples, workers, step_ms, tmpdir, precision="bf16", codec="zstd1", s3=None):
+def loader(device, dcfg, S, A, n_samples, workers, step_ms, tmpdir, precision="bf16", codec="zstd1", s3=None,
+           chunk_tokens=64):
     """s3: a running shared.s3local.S3Server: the same store written to and read from it."""
     where = "local disk" if s3 is None else f"S3 ({s3.endpoint})"
     section(f"loader: {n_samples} samples x 4 passes of {S} tokens, {len(dcfg.target_layer_ids)} layers x "
-            f"{dcfg.hidden_size}, {workers} workers, {precision}/{codec}, store on {where}")
+            f"{dcfg.hidden_size}, {workers} workers, {precision}/{codec}, chunks of {chunk_tokens} tokens, store on {where}")
     from extract.plan import write_plan
     from extract.run import finalize
     from shapes import synthetic_manifest
@@ -181,7 +182,8 @@ def loader(device, dcfg, S, A, n_samples, workers, step_ms, tmpdir, precision="b
     as_location(store).delete_all()
     L, H = len(dcfg.target_layer_ids), dcfg.hidden_size
     cfg = ExtractConfig(data="synthetic", target="none", store=str(store), layer_ids=dcfg.target_layer_ids,
-                        max_len=S, shard_tokens=S, batch_tokens=S, progress=False, precision=precision, codec=codec)
+                        max_len=S, shard_tokens=S, batch_tokens=S, progress=False, precision=precision, codec=codec,
+                        chunk_tokens=chunk_tokens)
     g = torch.Generator().manual_seed(0)
     enc = [Encoded(np.random.default_rng(i).integers(0, 1000, S).astype(np.int32), np.ones(S, np.uint8), 0, i)
            for i in range(n_samples)]
@@ -203,6 +205,17 @@ def loader(device, dcfg, S, A, n_samples, workers, step_ms, tmpdir, precision="b
     print(f"wrote {raw / 1e9:.1f} GB raw in {write_s:.1f}s ({raw / write_s / 1e9:.2f} GB/s: one writer thread, "
           f"zarr's codec threads)")
     s = st.Store(store)
+    raw_get = None
+    if s3 is not None:  # the server's own rate: every hidden-state shard fetched whole, 16 at a time
+        from concurrent.futures import ThreadPoolExecutor
+        loc = as_location(store)
+        keys = loc.list("features/hidden/")
+        t = time.perf_counter()
+        with ThreadPoolExecutor(16) as ex:
+            got = sum(len(b) for b in ex.map(loc.read, keys))
+        raw_get = got / (time.perf_counter() - t) / 1e9
+        print(f"raw GETs of {len(keys)} hidden-state shards ({got / 1e9:.2f} GB compressed), 16 at a time: "
+              f"{raw_get:.2f} GB/s", flush=True)
     rows = EpochPlan(s, S, 0, 0, 1).rows(0) * 4  # 4 passes: worker start-up amortised (page cache warm)
     out = {}
     for w in sorted({0, workers // 4, workers // 2, workers}):
@@ -224,7 +237,7 @@ def loader(device, dcfg, S, A, n_samples, workers, step_ms, tmpdir, precision="b
         print(f"one GPU's step consumes {need:.2f} rows/s ({need * S * L * H * 2 / 1e9:.2f} GB/s): "
               f"loader headroom {best / need:.2f}x")
     RESULTS[f"loader_{precision}_{codec}_{'local' if s3 is None else 's3'}"] = {
-        "by_workers": out, "step_rows_s": need, "write_gb_s": raw / write_s / 1e9}
+        "by_workers": out, "step_rows_s": need, "write_gb_s": raw / write_s / 1e9, "raw_get_gb_s": raw_get}
     as_location(store).delete_all()
 
 
@@ -298,6 +311,7 @@ def main():
     ap.add_argument("--loader-stores", default="bf16/zstd1", help="precision/codec list, e.g. bf16/zstd1,fp8/zstd1")
     ap.add_argument("--loader-where", default="local", help="local,s3: also put the store on a local S3 server "
                     "(SeaweedFS, shared/s3local.py) and read it from there")
+    ap.add_argument("--loader-chunk-tokens", type=int, default=64, help="the store's --chunk-tokens")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -330,7 +344,7 @@ def main():
                         prec, codec = spec.split("/")
                         for where in wheres:
                             loader(device, dcfg, S, A, a.loader_samples, a.workers, step_ms, tmp, prec, codec,
-                                   server if where == "s3" else None)
+                                   server if where == "s3" else None, a.loader_chunk_tokens)
                         if len(wheres) > 1:
                             loc, obj = (RESULTS[f"loader_{prec}_{codec}_{w}"] for w in ("local", "s3"))
                             print(f"\n{'workers':>8s}{'local rows/s':>14s}{'S3 rows/s':>11s}{'S3 / local':>12s}")
