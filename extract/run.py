@@ -21,8 +21,8 @@ from extract.claims import Claims, once
 from extract.config import ExtractConfig
 from extract.plan import plan
 from shared import store as st
-from shared.location import Location, as_location
 from shared.data import describe, resolve
+from shared.location import Location, as_location
 from shared.progress import log, progress_bar
 from shared.target import (LAYER_CONVENTION, check_safetensors, default_layer_ids, load_embed_and_head,
                            load_tokenizer, read_config, tensors_fingerprint, tokenizer_fingerprint,
@@ -93,7 +93,7 @@ def launch(cfg: ExtractConfig, layout: st.Layout):
         if world == 1:
             worker_main(cfg, *ranks[0], devices[0], q, threads)
         else:
-            procs = [ctx.Process(target=worker_main, args=(cfg, r, w, d, q, threads))
+            procs = [ctx.Process(target=worker_main, args=(cfg, r, w, d, q, threads, True))
                      for (r, w), d in zip(ranks, devices)]
             for p in procs:
                 p.start()

@@ -23,10 +23,11 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from shared.features import forward_features, pad_batch
-from shared import store as st
 from extract.claims import Claims, claimed_units, unit_name
 from extract.config import ExtractConfig
+from shared import store as st
+from shared.features import forward_features, pad_batch
+from shared.location import as_location
 from shared.progress import log
 from shared.target import compute_dtype, load_target
 
@@ -260,7 +261,8 @@ class Worker:
             self.progress_q.put(("batch", 0, len(batch), sum(ns)))
 
 
-def worker_main(cfg: ExtractConfig, rank: int, world: int, device: str, progress_q, threads: int):
+def worker_main(cfg: ExtractConfig, rank: int, world: int, device: str, progress_q, threads: int,
+                spawned: bool = False):
     """Entry point of a worker (spawned, or in the run's own process): claims and computes units
     until every unit of the store is done. rank/world: where in the units it starts claiming."""
     if device.startswith("cuda"):
@@ -269,11 +271,11 @@ def worker_main(cfg: ExtractConfig, rank: int, world: int, device: str, progress
         torch.set_num_threads(max(1, threads))
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
-        with Claims(st.as_location(cfg.store), cfg.lease_seconds) as claims:
+        with Claims(as_location(cfg.store), cfg.lease_seconds) as claims:
             n_units = st.read_manifest(cfg.store).layout.n_units
             Worker(cfg, rank, world, torch.device(device), progress_q, cores=threads, claims=claims).run(
                 claimed_units(claims, n_units, rank, world))
     except OSError as e:
-        if e.errno == errno.ENOSPC and world > 1:  # the parent turns this exit code into its message
+        if e.errno == errno.ENOSPC and spawned:  # the parent turns this exit code into its message
             raise SystemExit(errno.ENOSPC) from None
         raise
