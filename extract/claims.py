@@ -107,7 +107,7 @@ class Claims:
                     rec = {}  # a torn claim cannot come from create or replace; treat as expired
                 if self.expired(rec):
                     token = self.loc.replace(key, self._record(until), got[1])
-        if token is None:
+        if token is None or time.time() >= until:  # a lease that ran out while its requests ran is no claim
             return False
         with self._mutex:
             self.held[name] = Claim(key, token, until)

@@ -185,3 +185,37 @@ def test_two_torchrun_nodes_train_from_s3_like_one_process_with_accumulation(ref
     h1, h2 = history(tmp_path / "one")[-1], history(tmp_path / "two")[-1]
     assert h1["step"] == h2["step"] == one["step"] > 0
     assert abs(h1["loss"] - h2["loss"]) <= 1e-5 * h1["loss"]
+
+
+@pytest.mark.parametrize("where", ["local", "s3"])
+def test_claims_one_winner_takeover_and_loss(tmp_path, where, request):
+    """The primitives under every claim, on both kinds of location: of 8 concurrent takers of a
+    free claim exactly one wins; a live claim is refused; of 8 concurrent takers of an expired
+    claim exactly one wins; the old holder learns it lost, so it no longer holds it."""
+    from concurrent.futures import ThreadPoolExecutor
+    from extract.claims import Claims
+    url = str(tmp_path / "c") if where == "local" else request.getfixturevalue("s3").url(f"claims/{tmp_path.name}")
+    loc = as_location(url)
+    loc.prepare()
+    loc.write(f"{st.CLAIMS}/warm-up", b"")  # SeaweedFS's first write to a new folder can take seconds
+
+    def race(name, lease):
+        takers = [Claims(loc, lease_s=lease) for _ in range(8)]
+        with ThreadPoolExecutor(8) as ex:
+            won = list(ex.map(lambda c: c.take(name), takers))
+        return [c for c, w in zip(takers, won) if w]
+
+    winners = race("unit-0000001", lease=5.0)
+    assert len(winners) == 1
+    old = winners[0]
+    assert old.holds("unit-0000001")
+    assert not Claims(loc, lease_s=5.0).take("unit-0000001")  # live: refused
+    time.sleep(max(0.0, old.held["unit-0000001"].until - time.time()) + 0.2)  # the holder stops renewing: its lease runs out
+    assert not old.holds("unit-0000001")  # and it knows, without asking the store
+    winners = race("unit-0000001", lease=30.0)
+    assert len(winners) == 1
+    old.renew()
+    assert "unit-0000001" not in old.held  # the renewal failed: lost to the new holder
+    assert loc.read(f"{st.CLAIMS}/unit-0000001.json") is not None
+    winners[0].release("unit-0000001")
+    assert loc.read(f"{st.CLAIMS}/unit-0000001.json") is None
