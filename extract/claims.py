@@ -164,10 +164,6 @@ class Claims:
                 log(f"renewing claims failed ({type(e).__name__}: {e}); retrying")
 
 
-def unit_name(u: int) -> str:
-    return f"unit-{u:07d}"
-
-
 def claimed_units(claims: Claims, n_units: int, rank: int = 0, world: int = 1, poll_s: float = 2.0) -> Iterator[int]:
     """Units this process should compute, claimed one at a time as it asks for the next, until
     every unit is done. Each process starts at its own share of the units left, so processes
@@ -181,17 +177,17 @@ def claimed_units(claims: Claims, n_units: int, rank: int = 0, world: int = 1, p
         start = (rank * len(left)) // max(world, 1)
         got = 0
         for u in left[start:] + left[:start]:
-            if claims.holds(unit_name(u)) or not claims.take(unit_name(u)):
+            if claims.holds(st.unit_name(u)) or not claims.take(st.unit_name(u)):
                 continue
             if claims.loc.read(st.marker_key(u)) is not None:  # finished since the listing
-                claims.release(unit_name(u))
+                claims.release(st.unit_name(u))
                 continue
             got += 1
             yield u
         if got == 0:
-            others = [u for u in left if not claims.holds(unit_name(u))]
+            others = [u for u in left if not claims.holds(st.unit_name(u))]
             if others and time.time() - waited_log > 60:
-                held = [h for h in (claims.holder(unit_name(u)) for u in others[:3]) if h]
+                held = [h for h in (claims.holder(st.unit_name(u)) for u in others[:3]) if h]
                 who = ", ".join(f"{h.get('owner')} until {time.strftime('%H:%M:%S', time.localtime(h['until']))}"
                                 for h in held if "until" in h)
                 log(f"{len(others)} unit(s) left, claimed by other processes ({who or '...'}); waiting for "

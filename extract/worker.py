@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from extract.claims import Claims, claimed_units, unit_name
+from extract.claims import Claims, claimed_units
 from extract.config import ExtractConfig
 from shared import store as st
 from shared.features import forward_features, pad_batch
@@ -169,7 +169,7 @@ class Worker:
             info = {"samples": buf.samples, "tokens": buf.tokens, "dropped": buf.dropped,
                     "rank": self.rank, "seconds": round(time.time() - buf.started, 3),
                     "by": None if self.claims is None else self.claims.owner}
-            name = unit_name(buf.unit)
+            name = st.unit_name(buf.unit)
             held = None if self.claims is None else (lambda: self.claims.holds(name))
             if st.write_unit(self.writer, buf.unit, buf.numpy(), info, held):
                 if self.progress_q is not None:

@@ -42,9 +42,6 @@ class Location:
     def __str__(self) -> str:
         return self.url
 
-    def child(self, name: str) -> "Location":  # the same kind of location, one level down
-        raise NotImplementedError
-
 
 class LocalLocation(Location):
     local = True
@@ -53,17 +50,11 @@ class LocalLocation(Location):
         self.path = Path(path)
         self.url = str(path)
 
-    def child(self, name: str) -> "LocalLocation":
-        return LocalLocation(self.path / name)
-
     def zarr_store(self, read_only: bool = False):
         return str(self.path)
 
     def _p(self, key: str) -> Path:
         return self.path / key
-
-    def exists(self) -> bool:
-        return self.path.exists()
 
     def is_file(self) -> bool:
         return self.path.is_file()
@@ -74,18 +65,20 @@ class LocalLocation(Location):
         except (FileNotFoundError, NotADirectoryError):
             return None
 
-    def write(self, key: str, data: bytes):
+    def _staged(self, key: str, data: bytes) -> tuple[Path, Path]:
+        """(the key's path, a temporary file beside it holding data): renamed or linked into place."""
         p = self._p(key)
         p.parent.mkdir(parents=True, exist_ok=True)
         tmp = p.with_name(f"{p.name}.tmp{os.getpid()}-{uuid.uuid4().hex[:8]}")
         tmp.write_bytes(data)
+        return p, tmp
+
+    def write(self, key: str, data: bytes):
+        p, tmp = self._staged(key, data)
         os.replace(tmp, p)
 
     def create(self, key: str, data: bytes):
-        p = self._p(key)
-        p.parent.mkdir(parents=True, exist_ok=True)
-        tmp = p.with_name(f"{p.name}.tmp{os.getpid()}-{uuid.uuid4().hex[:8]}")
-        tmp.write_bytes(data)
+        p, tmp = self._staged(key, data)
         try:
             os.link(tmp, p)  # fails if p exists; p appears with its whole content
             st = p.stat()
@@ -141,6 +134,10 @@ class LocalLocation(Location):
     def delete_prefix(self, prefix: str):
         shutil.rmtree(self._p(prefix), ignore_errors=True)
 
+    def names(self) -> set[str]:
+        """Top-level entries (files and folders)."""
+        return {p.name for p in self.path.iterdir()} if self.path.is_dir() else set()
+
     def delete_all(self, keep: tuple[str, ...] = ()):
         """Everything in the store except the top-level entries named in keep."""
         if not self.path.is_dir():
@@ -166,24 +163,17 @@ class LocalLocation(Location):
 class ObjectLocation(Location):
     local = False
 
-    def __init__(self, url: str, store=None):
+    def __init__(self, url: str):
         import obstore
         from obstore.store import from_url
 
         self.url = url.rstrip("/")
         self._obs = obstore
-        self.store = store if store is not None else from_url(self.url)
-
-    def child(self, name: str) -> "ObjectLocation":
-        return ObjectLocation(f"{self.url}/{name}")
+        self.store = from_url(self.url)
 
     def zarr_store(self, read_only: bool = False):
         from zarr.storage import ObjectStore
         return ObjectStore(self.store, read_only=read_only)
-
-    def exists(self) -> bool:
-        # listed objects, not "folders": some servers keep an emptied folder listed
-        return any(len(batch) for batch in self._obs.list(self.store, chunk_size=1))
 
     def is_file(self) -> bool:
         return False
@@ -230,6 +220,10 @@ class ObjectLocation(Location):
         keys = self.list(prefix)
         for i in range(0, len(keys), 1000):
             self._obs.delete(self.store, keys[i:i + 1000])
+
+    def names(self) -> set[str]:
+        # from the objects themselves: some servers keep an emptied folder listed
+        return {m["path"].split("/", 1)[0] for m in self._metas()}
 
     def delete_all(self, keep: tuple[str, ...] = ()):
         keys = [m["path"] for m in self._metas() if m["path"].split("/", 1)[0] not in keep]

@@ -53,7 +53,7 @@ from zarr.codecs.numcodecs import LZ4, Shuffle
 from zarr.core.buffer import default_buffer_prototype
 from zarr.core.group import GroupMetadata
 
-from shared.location import Location, as_location
+from shared.location import as_location
 
 # 2: every chunk carries a crc32c of its compressed bytes, checked by zarr on every read.
 FORMAT_VERSION = 2
@@ -244,8 +244,7 @@ def store_state(where) -> tuple[str, dict | None]:
     loc = as_location(where)
     raw = loc.read("zarr.json")
     if raw is None:
-        others = loc.exists() and any(not k.startswith(CLAIMS + "/") for k in _some_keys(loc))
-        return ("foreign" if others else "absent"), None
+        return ("foreign" if loc.names() - {CLAIMS} else "absent"), None
     try:
         attrs = json.loads(raw).get("attributes") or {}
     except (json.JSONDecodeError, AttributeError):
@@ -253,12 +252,6 @@ def store_state(where) -> tuple[str, dict | None]:
     if "dflash" in attrs:
         return "store", attrs
     return ("planning" if PLANNING in attrs else "foreign"), attrs
-
-
-def _some_keys(loc: Location) -> list[str]:
-    if loc.local:
-        return [p.name if p.is_file() else p.name + "/" for p in loc.path.iterdir()] if loc.path.is_dir() else []
-    return loc.list("")
 
 
 def create(where, manifest: Manifest, planning: dict | None = None) -> "StoreWriter":
@@ -411,8 +404,13 @@ def atomic_write_text(path: Path, text: str):
 
 # --- units ----------------------------------------------------------------------------------
 
+def unit_name(unit: int) -> str:
+    """How a unit is named by its marker and its claim."""
+    return f"unit-{unit:07d}"
+
+
 def marker_key(unit: int) -> str:
-    return f"{PROGRESS}/unit-{unit:07d}.json"
+    return f"{PROGRESS}/{unit_name(unit)}.json"
 
 
 def done_unit_ids(where) -> set[int]:
