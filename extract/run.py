@@ -55,8 +55,9 @@ def _devices(cfg: ExtractConfig) -> list[str]:
     return [f"cuda:{g}" for g in cfg.gpus] if cfg.gpus else ["cpu"] * cfg.cpu_workers
 
 
-def launch(cfg: ExtractConfig, layout: st.Layout):
-    """Run this run's workers until every unit of the store is done (by them or by any other run)."""
+def launch(cfg: ExtractConfig, layout: st.Layout, done_samples: int = 0):
+    """Run this run's workers until every unit of the store is done (by them or by any other run).
+    done_samples: samples already in finished units (where the progress bar starts)."""
     from extract.worker import worker_main
 
     devices = _devices(cfg)
@@ -66,7 +67,6 @@ def launch(cfg: ExtractConfig, layout: st.Layout):
     ranks = [(env[0], env[1])] if env else [(r, world) for r in range(world)]
     threads = max(1, len(os.sched_getaffinity(0)) // world)  # the cores this process may use, per worker
     n_samples = layout.n_samples
-    done_samples = sum(m["samples"] for m in st.done_units(cfg.store).values())
     bar = progress_bar(total=n_samples, initial=done_samples, unit=" samples",
                        disable=not cfg.progress or (env is not None and env[0] != 0),
                        desc=f"extract ({world} worker{'s' * (world > 1)})")
@@ -253,9 +253,12 @@ def _run_claimed(cfg: ExtractConfig, loc: Location, claims: Claims, manifest: st
     todo = [u for u in range(layout.n_units) if u not in done]
     seconds = 0.0
     if todo:
-        check_free_space(cfg, loc, layout, todo)
+        # from the index, not the markers: one read, whatever the number of units
+        index = st.Store(loc, require_complete=False).index()
+        in_todo = np.isin(index["offset"] // layout.shard_tokens, todo)
+        check_free_space(cfg, loc, layout, int(index["length"][in_todo].sum()))
         try:
-            seconds, _ = launch(cfg, layout)
+            seconds, _ = launch(cfg, layout, done_samples=int((~in_todo).sum()))
         except OSError as e:
             if e.errno != errno.ENOSPC:
                 raise
@@ -284,9 +287,8 @@ def bytes_per_token(layout: st.Layout) -> tuple[float, float]:
     return feat + other, feat / _RATIO.get(layout.codec, 1.2) + other / 2
 
 
-def check_free_space(cfg: ExtractConfig, store: Location, layout: st.Layout, todo: list[int]):
-    index = st.Store(store, require_complete=False).index()
-    tokens = int(index["length"][np.isin(index["offset"] // layout.shard_tokens, todo)].sum())
+def check_free_space(cfg: ExtractConfig, store: Location, layout: st.Layout, tokens: int):
+    """tokens: the tokens of the units still to write."""
     raw, est = bytes_per_token(layout)
     need, free = tokens * est, store.free_bytes()
     log(f"estimated size of the features still to write: {need / 2**30:,.2f} GiB ({tokens:,.0f} tokens x "
