@@ -3,12 +3,9 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,9 +19,6 @@ from extract.worker import bucket_length
 from shared.features import forward_features, pad_batch
 from shared import store as st
 from shared.target import load_target
-
-REPO = Path(__file__).resolve().parents[1]
-
 
 @pytest.fixture(scope="module")
 def reference(tiny, tmp_path_factory):
@@ -116,40 +110,6 @@ def test_batched_store_matches_single_to_bf16_rounding(tiny, reference, tmp_path
         # one bf16 ulp, plus fp32 reordering noise relative to the sample's magnitude
         assert (diff <= x.hidden.float().abs() * 2 ** -7 + 1e-5 * x.hidden.float().abs().amax()).all(), i
         assert torch.equal(x.input_ids, y.input_ids)
-
-
-def _extract_cmd(tiny, store):
-    return [sys.executable, "-m", "extract", "--data", str(tiny["corpus"]), "--target", str(tiny["target"]),
-            "--store", str(store), "--layers", "0,1,3", "--max-len", "256", "--shard-tokens", "1024",
-            "--batch-tokens", "1024", "--max-batch", "1", "--topk", "8", "--no-progress"]
-
-
-def test_kill_9_then_resume_equals_uninterrupted(tiny, reference, tmp_path):
-    store = tmp_path / "killed"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    n_units = st.Store(reference[0]).layout.n_units
-    proc = subprocess.Popen(_extract_cmd(tiny, store), cwd=REPO, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
-    while time.time() < deadline:
-        if (store / "_progress").exists() and len(list((store / "_progress").glob("unit-*.json"))) >= 2:
-            break
-        time.sleep(0.05)
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    n_done = len(st.done_units(store))
-    assert 0 < n_done < n_units, "the kill must land part-way"
-    with pytest.raises(st.StoreError, match="not complete"):
-        st.Store(store)
-    res = subprocess.run(_extract_cmd(tiny, store), cwd=REPO, env=env, capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr
-    assert "resuming" in res.stderr
-    ref, got = read_all(reference[0]), read_all(store)
-    for k in ref:
-        assert np.array_equal(ref[k], got[k]), k
-    # A third run finds nothing to do.
-    res = subprocess.run(_extract_cmd(tiny, store), cwd=REPO, env=env, capture_output=True, text=True)
-    assert res.returncode == 0 and "already complete" in res.stderr
 
 
 def test_interrupted_planning_leaves_no_store(tiny, reference, tmp_path, monkeypatch):
