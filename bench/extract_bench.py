@@ -117,7 +117,8 @@ def measure(a) -> dict:
     cfg = ExtractConfig(data="synthetic", target="in-memory", store=str(store), layer_ids=layer_ids,
                         max_len=a.seq_len, precision=a.precision, codec=a.codec, topk=16,
                         batch_tokens=max(a.batch_tokens, a.seq_len), shard_tokens=max(a.shard_tokens, a.seq_len),
-                        writers=a.writers, buckets_per_octave=a.buckets, pow2_batch=a.pow2, progress=False)
+                        writers=a.writers, writer_procs=a.writer_procs, buckets_per_octave=a.buckets,
+                        pow2_batch=a.pow2, progress=False)
     manifest = synthetic_manifest(cfg, tcfg.hidden_size, L, tcfg.vocab_size, layer_ids, len(enc))
     write_plan(cfg, manifest, enc, len(layer_ids), tcfg.hidden_size)
     tokens = sum(lengths)
@@ -127,9 +128,10 @@ def measure(a) -> dict:
     w = Worker(cfg, 0, 1, device, model=model, cores=cores)
     planned = st.Store(store, require_complete=False)
     layout, index = planned.layout, planned.index()
-    t_start = time.time()
+    t_start, c_start = time.time(), time.process_time()
     t_pipe = timed(lambda: w.run(list(range(layout.n_units))), device)
     t_gpu = w.gpu_done_at - t_start
+    cpu_worker, cpu_writers = time.process_time() - c_start, w.out.cpu_seconds()
     disk = st.disk_bytes(store)
     log(f"pipeline: {t_pipe:.1f} s, GPU side {t_gpu:.1f} s, {tokens / t_pipe:,.0f} tok/s")
 
@@ -193,7 +195,8 @@ def measure(a) -> dict:
     return {"shape": a.shape, "layers": L, "logit_chunk": cfg.logit_chunk, "params_b": n_params / 1e9, "lengths": a.lengths, "samples": len(lengths),
             "tokens": tokens, "mean_len": tokens / len(lengths), "max_len": max(lengths), "buckets": a.buckets,
             "pow2": a.pow2, "batches": len(tensors), "shapes": len(shapes),
-            "padded_tokens": sum(ids.numel() for ids, _, _ in tensors), "writers": w.writers, "cores": cores,
+            "padded_tokens": sum(ids.numel() for ids, _, _ in tensors), "writers": w.writers, "writer_procs": w.procs, "cores": cores,
+            "cpu_worker_s": cpu_worker, "cpu_writers_s": cpu_writers,
             "units": layout.n_units, "body_s": min(t_body, t_body2), "target_s": min(t_target, t_target2),
             "features_s": t_feat, "pipeline_gpu_s": t_gpu, "pipeline_s": t_pipe, "disk_bytes": disk,
             "raw_bytes": tokens * len(layer_ids) * tcfg.hidden_size * 2, "peak_gib": peak, "head_ms": head_ms,
@@ -205,8 +208,8 @@ def report(r: dict, label: str = ""):
     print(f"\n{label}{r['shape']} shape, {r['layers']} layers ({r['params_b']:.2f}B params): {r['samples']:,} samples, "
           f"{tok:,} tokens (mean {r['mean_len']:.0f}, max {r['max_len']}), {r['batches']} batches of "
           f"{r['shapes']} distinct shapes, padding {r['padded_tokens'] / tok - 1:.1%}, buckets/octave "
-          f"{r['buckets']}{' pow2' if r['pow2'] else ''}; {r['units']} units, {r['writers']} writer threads, "
-          f"{r['cores']} cores")
+          f"{r['buckets']}{' pow2' if r['pow2'] else ''}; {r['units']} units, {r['writers']} writer "
+          f"{'processes' if r.get('writer_procs') else 'threads'}, {r['cores']} cores")
     print(f"{'':26s}{'seconds':>9s}{'tok/s':>11s}{'vs target':>11s}{'vs body':>9s}")
     for name, key in (("body forward", "body_s"), ("target forward", "target_s"), ("forward+features", "features_s"),
                       ("pipeline, GPU side", "pipeline_gpu_s"), ("pipeline, store written", "pipeline_s")):
@@ -217,6 +220,11 @@ def report(r: dict, label: str = ""):
           f"{r['raw_bytes'] / 2**30:.2f} GiB -> {r['disk_bytes'] / 2**30:.2f} GiB on disk "
           f"({r['raw_bytes'] / r['disk_bytes']:.3f}x); raw feature rate at target-forward speed "
           f"{r['raw_bytes'] / r['target_s'] / 1e9:.2f} GB/s; peak GPU memory {r['peak_gib']:.1f} GiB")
+    if "cpu_worker_s" in r:
+        cw, cp = r["cpu_worker_s"], r["cpu_writers_s"]
+        print(f"host CPU during the pipeline: {(cw + cp) / r['pipeline_s']:.1f} cores busy (worker process "
+              f"{cw / r['pipeline_s']:.1f}, writer processes {cp / r['pipeline_s']:.1f}); raw features written at "
+              f"{r['raw_bytes'] / r['pipeline_s'] / 1e9:.2f} GB/s")
     if "autotunes" in r:
         print(f"Triton: {r['autotunes']} autotuning runs ({r['autotune_s']:.1f} s of tuning reported), "
               f"{r['cached_kernels']} compiled kernels in the cache after the run")
@@ -239,6 +247,7 @@ def main():
     ap.add_argument("--precision", default="bf16")
     ap.add_argument("--codec", default="zstd1")
     ap.add_argument("--writers", type=int, default=0, help="0: the worker's automatic count")
+    ap.add_argument("--writer-procs", default="auto", choices=("auto", "on", "off"))
     ap.add_argument("--shard-tokens", type=int, default=16384)
     ap.add_argument("--dir", default=None, help="where the store is written (default: a temp dir)")
     ap.add_argument("--json", default=None)

@@ -39,12 +39,12 @@ python bench/regen_bench.py --shape 27b --json "$OUT/regen_27b.json"
 fi
 
 if run 7; then
-echo "== 7. extraction host side: raw bf16 feature write rate per writer-thread count (27B layout) =="
-python bench/host_bench.py --threads 1,2,4,8,12,16 --units 12 --json "$OUT/host.json"
+echo "== 7. extraction host side: raw bf16 feature write rate, writer threads vs writer processes (27B layout) =="
+python bench/host_bench.py --writers t4,p2,p4,p7,p8 --units 16 --dir /tmp/hbench --json "$OUT/host.json"
 fi
 if run 8; then
 echo "== 8. extraction over a chat length mix, 16 layers of the 27B shape: cold and warm Triton cache =="
-python bench/extract_bench.py --shape 27b --layers 16 --lengths chat --tokens 400000 --runs 0:cold,0:warm,8:cold \
+python bench/extract_bench.py --shape 27b --layers 16 --lengths chat --tokens 1000000 --runs 0:cold,0:warm \
     --json "$OUT/extract_chat.json"
 fi
 if run 9; then

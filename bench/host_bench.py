@@ -1,13 +1,16 @@
-"""The extraction host side on its own: how many raw bf16 feature bytes per second the writer
-threads compress, checksum and write as whole units, and how many CPU cores that takes.
+"""The extraction host side on its own: how many raw bf16 feature bytes per second the writers
+compress, checksum and write as whole units, and how many CPU cores that takes.
 
-    python bench/host_bench.py --threads 1,2,4,8,12,16 --units 24          # H200 host (16 cores)
-    python bench/host_bench.py --threads 1,2 --units 4 --layers 2 --hidden 1024   # CPU smoke run
+    python bench/host_bench.py --writers t1,t4,t8,p2,p4,p6,p8 --units 24      # H200 host (16 cores)
+    python bench/host_bench.py --writers t1,t2,p1,p2 --units 4 --layers 2 --hidden 1024   # CPU smoke run
 
-Each row writes (then reads back whole) the same units (synthetic features with the magnitude structure of hidden states:
-a few outlier channels, the rest near N(0, 1)) through `shared.store.write_unit`, the call the
-extraction writers make, with W threads. Goal (issue 11): >= 2 GB/s of raw bf16 features per GPU
-with the cores one GPU has on an 8-GPU host. "cores busy" = process CPU time / wall time.
+Each row writes (then reads back whole) the same units (synthetic features with the magnitude
+structure of hidden states: a few outlier channels, the rest near N(0, 1)) through the worker's own
+writers (extract/writers.py): tN = N writer threads in this process, pN = N writer processes over
+the shared unit buffers. The buffers are filled once and not cleared between units (clearing is
+the only step left out). Goal (issue 11): >= 2 GB/s of raw bf16 features per GPU with the cores
+one GPU has on an 8-GPU host. "cores busy" = CPU time of this process and the writer processes /
+wall time.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from shapes import synthetic_manifest  # noqa: E402  (adds the repo to sys.path)
 
 from extract.config import ExtractConfig
 from extract.plan import write_plan
+from extract.writers import UnitWriters
 from shared.location import as_location
 from shared import store as st
 from shared.data import Encoded
@@ -91,7 +95,8 @@ def on_threads(W: int, n_units: int, fn) -> tuple[float, float]:
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--threads", default="1,2,4,8")
+    ap.add_argument("--writers", default="t1,t4,p2,p4", help="tN: N threads, pN: N processes")
+    ap.add_argument("--threads", default=None, help="(old spelling) 1,2,4: the same as --writers t1,t2,t4")
     ap.add_argument("--units", type=int, default=12, help="units written per row")
     ap.add_argument("--layers", type=int, default=5)
     ap.add_argument("--hidden", type=int, default=5120)
@@ -124,10 +129,12 @@ def main():
     print(f"units of {S} tokens x {a.layers} layers x {a.hidden} ({a.precision}/{a.codec}, crc32c "
           f"{'zarr inline' if a.zarr_crc else 'threaded'}) on {'S3 at ' + server.endpoint if server else tmp}; "
           f"{os.cpu_count()} CPUs visible; {n_units} units per row")
-    print(f"{'threads':>8s}{'raw GB/s':>10s}{'cores busy':>12s}{'GB/s per core':>15s}{'disk GB/s':>11s}"
+    kinds = [f"t{x}" for x in a.threads.split(",")] if a.threads else a.writers.split(",")
+    print(f"{'writers':>8s}{'raw GB/s':>10s}{'cores busy':>12s}{'GB/s per core':>15s}{'disk GB/s':>11s}"
           f"{'read GB/s':>11s}{'read cores':>12s}")
-    for W in [int(x) for x in a.threads.split(",")]:
-        store = server.url(f"hbench/store-{W}") if server else str(tmp / f"store-{W}")
+    for kind in kinds:
+        procs, W = kind[0] == "p", int(kind[1:])
+        store = server.url(f"hbench/store-{kind}") if server else str(tmp / f"store-{kind}")
         as_location(store).delete_all()
         cfg.store = store
         man = synthetic_manifest(cfg, a.hidden, a.layers, 248_320, list(range(a.layers)), n_units)
@@ -138,31 +145,41 @@ def main():
         w = st.StoreWriter(store)
         if layout.precision == "fp8":
             raise SystemExit("fp8: give --precision bf16 (the goal is stated for raw bf16 features)")
-
-        def write(u):
-            st.write_unit(w, u, template[u % len(template)], {"samples": 1, "tokens": S, "dropped": []})
+        out = UnitWriters(store, layout, W, procs, extra=0, pin=False, clear=False)
+        bufs = [out.pool.get(-1, 1, S) for _ in range(out.pool.size)]
+        for i, b in enumerate(bufs):  # each buffer filled once, with one of the template units
+            for name, arr in b.numpy().items():
+                arr[:] = template[i % len(template)][name]
+            out.pool.put(b, zero=False)
+        out.wait_ready()  # the writer processes' start is not part of the rate
 
         def read(u):
             for name in template[0]:
                 w.feature_array(name)[u * S:(u + 1) * S]
 
-        wall, cpu = on_threads(W, n_units, write)
+        c0, t0 = cpu_seconds(), time.perf_counter()
+        for u in range(n_units):
+            out.submit(out.pool.get(u, 1, S))
+        out.close()
+        wall, cpu = time.perf_counter() - t0, cpu_seconds() - c0 + out.cpu_seconds()
+        if out.error:
+            raise out.error
         raw = n_units * S * a.layers * a.hidden * 2
         disk = st.disk_bytes(store)
         # read back: every unit's arrays, whole, with the same thread count (checksums verified)
         rwall, rcpu = on_threads(W, n_units, read)
-        r = {"threads": W, "raw_gbs": raw / wall / 1e9, "cores_busy": cpu / wall,
+        r = {"writers": kind, "raw_gbs": raw / wall / 1e9, "cores_busy": cpu / wall,
              "gbs_per_core": raw / cpu / 1e9, "disk_gbs": disk / wall / 1e9, "ratio": raw / disk,
              "read_raw_gbs": raw / rwall / 1e9, "read_cores_busy": rcpu / rwall}
         rows.append(r)
-        print(f"{W:8d}{r['raw_gbs']:10.2f}{r['cores_busy']:12.1f}{r['gbs_per_core']:15.3f}{r['disk_gbs']:11.2f}"
+        print(f"{kind:>8s}{r['raw_gbs']:10.2f}{r['cores_busy']:12.1f}{r['gbs_per_core']:15.3f}{r['disk_gbs']:11.2f}"
               f"{r['read_raw_gbs']:11.2f}{r['read_cores_busy']:12.1f}", flush=True)
         as_location(store).delete_all()
     if server is not None:
         server.stop()
     best = max(rows, key=lambda r: r["raw_gbs"])
     per_core = np.median([r["gbs_per_core"] for r in rows])
-    print(f"best {best['raw_gbs']:.2f} GB/s with {best['threads']} threads ({best['cores_busy']:.1f} cores busy); "
+    print(f"best {best['raw_gbs']:.2f} GB/s with {best['writers']} ({best['cores_busy']:.1f} cores busy); "
           f"at {per_core:.3f} GB/s per busy core, {a.goal_gbs} GB/s needs about {a.goal_gbs / per_core:.1f} cores; "
           f"compression {rows[0]['ratio']:.3f}x")
     if a.json:

@@ -37,8 +37,11 @@ class ExtractConfig:
                                    "sizes for the kernels that autotune per batch size)")
     shard_tokens: int = opt(16384, "tokens per unit (= per shard of every token array)")
     chunk_tokens: int = opt(64, "tokens per compressed chunk of features/hidden")
-    writers: int = opt(0, "units compressed and written in parallel per worker; 0: the worker's CPU cores "
-                          "minus 2, between 2 and 8")
+    writers: int = opt(0, "units compressed and written in parallel per worker; 0: from the worker's CPU cores "
+                          "(minus 2; threads: at most 8; processes: one per 2 cores)")
+    writer_procs: Literal["auto", "on", "off"] = opt("auto", "write units from processes of their own over shared "
+                                                             "buffers (one process's zarr writes top out near "
+                                                             "0.9 GB/s); auto: on with a GPU, off on the CPU")
     queue_units: int = opt(2, "finished units waiting for a writer (bounds host memory)", cli=False)
     dtype: Literal["auto", "bf16", "fp32"] = opt("auto", "compute dtype: auto = bf16 on GPU, fp32 on CPU")
     logit_chunk: int = opt(2048, "tokens per LM-head chunk when computing top-k and lse", cli=False)
@@ -61,6 +64,8 @@ class ExtractConfig:
         if self.shard_tokens % self.chunk_tokens:
             raise ValueError(f"--shard-tokens {self.shard_tokens} must be a multiple of "
                              f"--chunk-tokens {self.chunk_tokens}")
+        if self.writer_procs not in ("auto", "on", "off"):
+            raise ValueError(f"--writer-procs must be auto, on or off, not {self.writer_procs!r}")
         if self.lease_seconds < 3:
             raise ValueError("--lease-seconds must be at least 3")
         if self.topk < 1:

@@ -5,9 +5,9 @@ The device never waits on compression or disk:
     host buffer of their unit (no staging copy), while the next batch's forward runs;
   - a collector thread waits for each copy, drops samples with NaN/inf features, and hands a
     finished unit to the writers;
-  - writer threads compress and write whole units (zarr shards) and return the buffer, cleared,
-    to a fixed pool. The pool is the back-pressure: host memory is `pool` unit buffers,
-    allocated once, whatever the corpus size.
+  - the writers (extract/writers.py: threads, or processes over shared buffers) compress and
+    write whole units (zarr shards) and return the buffer, cleared, to a fixed pool. The pool is
+    the back-pressure: host memory is a fixed number of unit buffers, whatever the corpus size.
 """
 
 from __future__ import annotations
@@ -18,63 +18,19 @@ import os
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from extract.claims import Claims, claimed_units
 from extract.config import ExtractConfig
+from extract.writers import UnitBuffer, UnitWriters
 from shared import store as st
+from shared import tuning
 from shared.features import forward_features, pad_batch
 from shared.location import as_location
 from shared.progress import log
 from shared.target import compute_dtype, load_target
-
-_STOP = object()
-_TORCH = {"uint16": torch.int16, "uint8": torch.uint8, "int32": torch.int32, "float16": torch.float16,
-          "float32": torch.float32}
-
-
-@dataclass
-class UnitBuffer:
-    arrays: dict[str, torch.Tensor]   # host tensors, one per feature array, unit-sized
-    unit: int = -1
-    remaining: int = 0
-    samples: int = 0
-    tokens: int = 0
-    dropped: list = field(default_factory=list)
-    started: float = 0.0
-
-    def numpy(self) -> dict[str, np.ndarray]:
-        out = {}
-        for name, t in self.arrays.items():
-            a = t.numpy()
-            out[name] = a.view(np.uint16) if a.dtype == np.int16 else a  # bf16 bits are stored as uint16
-        return out
-
-
-class UnitPool:
-    """A fixed set of unit buffers (pinned on CUDA, so copies into them are asynchronous)."""
-
-    def __init__(self, layout: st.Layout, size: int, pin: bool):
-        self.free: queue.Queue = queue.Queue()
-        for _ in range(size):
-            arrays = {name: torch.zeros((layout.shard_tokens, *shape), dtype=_TORCH[dtype], pin_memory=pin)
-                      for name, (shape, dtype) in layout.arrays().items() if name in st.FEATURE_ARRAYS}
-            self.free.put(UnitBuffer(arrays))
-
-    def get(self, unit: int, samples: int, tokens: int) -> UnitBuffer:
-        buf = self.free.get()  # blocks while every buffer is being filled or written
-        buf.unit, buf.remaining, buf.samples, buf.tokens = unit, samples, samples, tokens
-        buf.dropped, buf.started = [], time.time()
-        return buf
-
-    def put(self, buf: UnitBuffer):
-        for t in buf.arrays.values():
-            t.zero_()  # unused tails and dropped samples must read back as zeros
-        self.free.put(buf)
-
 
 def bucket_length(n: int, per_octave: int, cap: int) -> int:
     """The padded length for a batch whose longest sample has n tokens: the smallest value of
@@ -107,12 +63,24 @@ def plan_batches(items: list[tuple[int, int, int]], batch_tokens: int, max_batch
         i += n
 
 
-def writer_threads(cfg: ExtractConfig, cores: int) -> int:
+_STOP = object()
+
+
+def writer_count(cfg: ExtractConfig, cores: int, procs: bool) -> int:
     """--writers, or from the cores this worker has, two left for the forward's host work and the
-    collector. At most 8: on a 16-core H200 host 4, 8 and 16 threads wrote at the same rate, the
-    process's zarr machinery being the limit (bench/host_bench.py), and each writer holds one unit
-    buffer (pinned memory on a GPU)."""
-    return cfg.writers if cfg.writers > 0 else max(2, min(8, cores - 2))
+    collector. Threads: at most 8 (on a 16-core H200 host 4, 8 and 16 threads wrote at the same
+    rate, the process's zarr machinery being the limit: bench/host_bench.py). Processes: one per
+    two cores (each keeps ~2 busy). Each writer holds one unit buffer (pinned memory on a GPU)."""
+    if cfg.writers > 0:
+        return cfg.writers
+    free = max(2, cores - 2)
+    return max(1, free // 2) if procs else min(8, free)
+
+
+def writer_procs(cfg: ExtractConfig, device: torch.device) -> bool:
+    """--writer-procs: auto = processes on a GPU (where the forward outruns one process's writes),
+    threads on the CPU (where each process would cost a start and the forward is the limit)."""
+    return cfg.writer_procs == "on" or (cfg.writer_procs == "auto" and device.type == "cuda")
 
 
 class Worker:
@@ -120,31 +88,24 @@ class Worker:
                  model=None, cores: int | None = None, claims: Claims | None = None):
         self.cfg, self.rank, self.world, self.device = cfg, rank, world, device
         self.claims = claims  # None: the units given to run() are this worker's alone (benchmarks)
-        self.writers = writer_threads(cfg, cores or os.cpu_count() or 1)
+        self.procs = writer_procs(cfg, device)
+        self.writers = writer_count(cfg, cores or os.cpu_count() or 1, self.procs)
         self.progress_q = progress_q
         self.model = model  # benchmarks pass a model built in memory; otherwise loaded from cfg.target
-        self.writer = st.StoreWriter(cfg.store)
         self.reader = st.Store(cfg.store, require_complete=False)
-        man = self.writer.manifest
+        man = self.reader.manifest
         self.layout = man.layout
         self.layer_ids = man.layer_ids
         self.pad_id = man.tokenizer.pad_token_id or 0
-        self.error: BaseException | None = None
         self.collect_q: queue.Queue = queue.Queue()
-        self.write_q: queue.Queue = queue.Queue()
-        self.pool = UnitPool(self.layout, self.writers + cfg.queue_units + 1, pin=device.type == "cuda")
+        self.out: UnitWriters | None = None  # made in run(): processes start there, not on construction
         self.gpu_done_at = 0.0  # when the last batch's features reached the host (benchmarks)
 
-    # -- threads ---------------------------------------------------------------------------
-    def _guard(self, fn):
-        def run():
-            try:
-                fn()
-            except BaseException as e:  # surfaced in the main loop
-                self.error = e
-                for _ in range(self.writers + 2):  # unblock whoever waits on the pool
-                    self.pool.free.put(UnitBuffer({}))
-        return run
+    @property
+    def error(self) -> BaseException | None:
+        return self.out.error if self.out is not None else None
+
+    # -- the collector thread --------------------------------------------------------------
 
     def _collector(self):
         while (item := self.collect_q.get()) is not _STOP:
@@ -159,26 +120,8 @@ class Worker:
                     buf.dropped.append({"sample": sample, **src})
                 buf.remaining -= 1
                 if buf.remaining == 0:
-                    self.write_q.put(buf)
+                    self.out.submit(buf)
             self.gpu_done_at = time.time()
-        for _ in range(self.writers):
-            self.write_q.put(_STOP)
-
-    def _writer(self):
-        while (buf := self.write_q.get()) is not _STOP:
-            info = {"samples": buf.samples, "tokens": buf.tokens, "dropped": buf.dropped,
-                    "rank": self.rank, "seconds": round(time.time() - buf.started, 3),
-                    "by": None if self.claims is None else self.claims.owner}
-            name = st.unit_name(buf.unit)
-            held = None if self.claims is None else (lambda: self.claims.holds(name))
-            if st.write_unit(self.writer, buf.unit, buf.numpy(), info, held):
-                if self.progress_q is not None:
-                    self.progress_q.put(("unit", buf.unit, buf.samples - len(buf.dropped), buf.tokens))
-            else:
-                log(f"unit {buf.unit}: not marked here (its claim was lost, or it was finished elsewhere)")
-            if self.claims is not None:
-                self.claims.release(name)
-            self.pool.put(buf)
 
     # -- main loop -------------------------------------------------------------------------
     def run(self, units):
@@ -189,28 +132,26 @@ class Worker:
         S = self.layout.shard_tokens
         by_unit = st.samples_by_unit(offsets, S, self.layout.n_units)
         dtype = compute_dtype(cfg.dtype, dev)
-        # Triton's autotuning results on disk, for the kernels FLA does not cache itself (l2norm,
-        # cumsum: ~12 s per new key on an H200, again in every process otherwise)
-        os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
-        model = self.model if self.model is not None else load_target(cfg.target, dev, dtype)
         cuda = dev.type == "cuda"
-        copy_stream = torch.cuda.Stream(dev) if cuda else None
-        gib = self.pool.free.qsize() * self.layout.shard_tokens * self.layout.raw_bytes_per_token() / 2 ** 30
-        log(f"worker {self.rank} on {dev}: {self.writers} writer threads, {self.pool.free.qsize()} unit buffers "
-            f"({gib:,.1f} GiB{' pinned' if cuda else ''})")
-
-        threads = [threading.Thread(target=self._guard(self._collector), daemon=True)]
-        threads += [threading.Thread(target=self._guard(self._writer), daemon=True) for _ in range(self.writers)]
-        for t in threads:
-            t.start()
+        # writer processes start first: their imports overlap the model's load
+        self.out = UnitWriters(cfg.store, self.layout, self.writers, self.procs, extra=cfg.queue_units + 1,
+                               pin=cuda, claims=self.claims, rank=self.rank, progress_q=self.progress_q)
+        collector = threading.Thread(target=self.out._guard(self._collector), daemon=True)
+        collector.start()
         try:
+            model = self.model if self.model is not None else load_target(cfg.target, dev, dtype)
+            # one tuning per FLA kernel, not one per batch shape (shared/tuning.py)
+            record = tuning.enable(torch.cuda.get_device_name(dev),
+                                   getattr(model.config, "text_config", model.config).to_dict()) if cuda else None
+            copy_stream = torch.cuda.Stream(dev) if cuda else None
+            log(f"worker {self.rank} on {dev}: {self.out.describe()}")
             for u in units:
                 members = by_unit[u]
-                buf = self.pool.get(u, len(members), int(lengths[members].sum()))
+                buf = self.out.pool.get(u, len(members), int(lengths[members].sum()))
                 if self.error:
                     raise self.error
                 if len(members) == 0:
-                    self.write_q.put(buf)
+                    self.out.submit(buf)
                     continue
                 unit_ids = self.reader.unit_tokens(u)
                 items = [(int(i), int(offsets[i]) - u * S, int(lengths[i])) for i in members]
@@ -219,10 +160,12 @@ class Worker:
                     if self.error:
                         raise self.error
                     self._batch(model, buf, batch, padded, unit_ids, files, rows, copy_stream)
+                    if record is not None:
+                        record()
         finally:
             self.collect_q.put(_STOP)
-            for t in threads:
-                t.join()
+            collector.join()
+            self.out.close()
         if self.error:
             raise self.error
 

@@ -432,6 +432,8 @@ def write_unit(w: StoreWriter, unit: int, arrays: dict[str, np.ndarray], info: d
     """Write one unit's feature arrays (full shards), then create its marker. held(): whether
     this process still holds the unit's claim, asked before each shard and before the marker; a
     unit whose claim was lost is left to its new holder. False if the unit was not marked here."""
+    if not 0 <= unit < w.layout.n_units:  # zarr would write nothing past the end, and say nothing
+        raise StoreError(f"{w.loc.url}: no unit {unit} (the store has {w.layout.n_units})")
     lo, hi = unit * w.layout.shard_tokens, (unit + 1) * w.layout.shard_tokens
     checks = {}
     for name, data in arrays.items():

@@ -98,6 +98,23 @@ def test_two_workers_write_one_store_identically(tiny, reference, tmp_path):
         assert np.array_equal(ref[k], got[k]), k
 
 
+def test_writer_processes_write_the_same_store(tiny, reference, tmp_path):
+    """Units written by writer processes from the shared pool equal the in-process writers' bit for
+    bit, and a writer process's failure comes back as the worker's error, naming the unit."""
+    from extract.writers import UnitWriters
+    store = tmp_path / "procs"
+    run(extract_cfg(tiny, store, max_batch=1, writer_procs="on", writers=2))
+    ref, got = read_all(reference[0]), read_all(store)
+    assert ref.keys() == got.keys()
+    for k in ref:
+        assert np.array_equal(ref[k], got[k]), k
+    w = UnitWriters(str(store), st.Store(store).layout, 1, procs=True, extra=0, pin=False)
+    buf = w.pool.get(10 ** 6, 1, 1)  # no such unit: the store refuses it in the writer process
+    w.submit(buf)
+    w.close()
+    assert isinstance(w.error, RuntimeError) and "unit 1000000" in str(w.error)
+
+
 @pytest.mark.parametrize("kw", [dict(), dict(buckets_per_octave=8), dict(buckets_per_octave=8, pow2_batch=True)],
                          ids=["exact-lengths", "buckets", "buckets+pow2"])
 def test_batched_store_matches_single_to_bf16_rounding(tiny, reference, tmp_path, kw):

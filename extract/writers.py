@@ -1,0 +1,296 @@
+"""The write side of an extraction worker: a fixed pool of unit buffers and the writers that
+compress, checksum and write finished units (zarr shards) and give the buffers back, cleared.
+
+A writer is a thread of the worker, which writes either in the worker's own process or through a
+writer process of its own. One process's zarr codec pipeline writes at most ~0.9 GB/s of raw bf16
+features whatever its thread count (bench/host_bench.py on a 16-core H200 host), under half of what
+a fast target's forward produces; writer processes add up. They read the unit straight from the
+buffer the device copied into: the pool is one shared memory file (memfd: /dev/shm's size does not
+limit it), pinned for CUDA's asynchronous copies, so no unit is copied on the host.
+"""
+
+from __future__ import annotations
+
+import errno as errno_mod
+import mmap
+import multiprocessing as mp
+import os
+import queue
+import threading
+import time
+import traceback
+from dataclasses import dataclass, field
+from multiprocessing.reduction import DupFd
+
+import numpy as np
+import torch
+
+from shared import store as st
+from shared.progress import log
+
+_STOP = object()
+_PAGE = mmap.PAGESIZE
+
+
+def _specs(layout: st.Layout) -> list[tuple[str, tuple[int, ...], np.dtype, int]]:
+    """(name, shape, numpy dtype, byte offset in a slot) of every feature array of one unit."""
+    out, off = [], 0
+    for name, (shape, dtype) in layout.arrays().items():
+        if name not in st.FEATURE_ARRAYS:
+            continue
+        shape, dt = (layout.shard_tokens, *shape), np.dtype(dtype)
+        out.append((name, shape, dt, off))
+        off += -(-int(np.prod(shape)) * dt.itemsize // _PAGE) * _PAGE
+    return out
+
+
+def _slot_bytes(specs) -> int:
+    name, shape, dt, off = specs[-1]
+    return off + -(-int(np.prod(shape)) * dt.itemsize // _PAGE) * _PAGE
+
+
+def _torch_dtype(dt: np.dtype) -> torch.dtype:
+    # bf16 bits are held as int16 (torch has no uint16 copy kernels on every version)
+    return {np.dtype("uint16"): torch.int16, np.dtype("uint8"): torch.uint8, np.dtype("int32"): torch.int32,
+            np.dtype("float16"): torch.float16, np.dtype("float32"): torch.float32}[dt]
+
+
+@dataclass
+class UnitBuffer:
+    slot: int
+    arrays: dict[str, torch.Tensor]   # host tensors, one per feature array, unit-sized
+    unit: int = -1
+    remaining: int = 0
+    samples: int = 0
+    tokens: int = 0
+    dropped: list = field(default_factory=list)
+    started: float = 0.0
+
+    def numpy(self) -> dict[str, np.ndarray]:
+        out = {}
+        for name, t in self.arrays.items():
+            a = t.numpy()
+            out[name] = a.view(np.uint16) if a.dtype == np.int16 else a
+        return out
+
+
+class UnitPool:
+    """A fixed set of unit buffers (pinned on CUDA, so copies into them are asynchronous). Host
+    memory is `size` units, allocated once, whatever the corpus size; taking a buffer blocks while
+    every one is being filled or written, which is the back-pressure on the device. shared: the
+    buffers live in one memory file that writer processes map too."""
+
+    def __init__(self, layout: st.Layout, size: int, pin: bool, shared: bool = False):
+        self.specs = _specs(layout)
+        self.slot_bytes = _slot_bytes(self.specs)
+        self.size, self.pinned = size, pin
+        self.fd = self.mm = self._pinned = None
+        self.free: queue.Queue = queue.Queue()
+        if shared:
+            self.fd = os.memfd_create("dflash-unit-buffers", 0)
+            os.ftruncate(self.fd, size * self.slot_bytes)  # reads as zeros until written
+            self.mm = mmap.mmap(self.fd, size * self.slot_bytes)
+            whole = torch.frombuffer(self.mm, dtype=torch.uint8)
+            if pin:
+                self._pin(whole)
+        for slot in range(size):
+            if shared:
+                arrays = {name: whole[slot * self.slot_bytes + off:][:int(np.prod(shape)) * dt.itemsize]
+                          .view(_torch_dtype(dt)).view(shape) for name, shape, dt, off in self.specs}
+            else:
+                arrays = {name: torch.zeros(shape, dtype=_torch_dtype(dt), pin_memory=pin)
+                          for name, shape, dt, _ in self.specs}
+            self.free.put(UnitBuffer(slot, arrays))
+
+    def _pin(self, whole: torch.Tensor):
+        try:
+            torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(whole.data_ptr(), whole.numel(), 0))
+        except Exception as e:
+            raise RuntimeError(f"pinning {whole.numel() / 2 ** 30:.1f} GiB of shared unit buffers failed ({e}); "
+                               f"give --writer-procs off to write from the worker's own process") from e
+        self._pinned = whole
+
+    def get(self, unit: int, samples: int, tokens: int) -> UnitBuffer:
+        buf = self.free.get()
+        buf.unit, buf.remaining, buf.samples, buf.tokens = unit, samples, samples, tokens
+        buf.dropped, buf.started = [], time.time()
+        return buf
+
+    def put(self, buf: UnitBuffer, zero: bool = True):
+        if zero:
+            for t in buf.arrays.values():
+                t.zero_()  # unused tails and dropped samples must read back as zeros
+        self.free.put(buf)
+
+    def close(self):
+        if self._pinned is not None:
+            torch.cuda.cudart().cudaHostUnregister(self._pinned.data_ptr())
+            self._pinned = None
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+# --- writer processes -----------------------------------------------------------------------
+
+def _proc_main(store: str, fd: DupFd, specs, slot_bytes: int, size: int, conn):
+    """A writer process: maps the pool, then writes the units it is sent until told to stop.
+    Asks its parent before each shard whether the unit's claim is still held (the claims live
+    there), clears the buffer after writing, and reports (marked, CPU seconds) or the error."""
+    mm = mmap.mmap(fd.detach(), size * slot_bytes)
+    views = [{name: np.ndarray(shape, dt, buffer=mm, offset=slot * slot_bytes + off)
+              for name, shape, dt, off in specs} for slot in range(size)]
+    w = st.StoreWriter(store)
+    conn.send(("ready",))
+
+    def held():
+        conn.send(("held",))
+        return conn.recv()
+
+    while (msg := conn.recv()) is not None:
+        slot, unit, info, ask, clear = msg
+        c0 = time.process_time()
+        try:
+            ok = st.write_unit(w, unit, views[slot], info, held if ask else None)
+            if clear:  # unused tails and dropped samples must read back as zeros
+                for a in views[slot].values():
+                    a.fill(0)
+            conn.send(("done", ok, time.process_time() - c0))
+        except BaseException as e:
+            conn.send(("error", getattr(e, "errno", None), f"{type(e).__name__}: {e}", traceback.format_exc()))
+
+
+class WriterProc:
+    """One writer process, driven by one writer thread of the worker."""
+
+    def __init__(self, store: str, pool: UnitPool):
+        ctx = mp.get_context("spawn")  # the worker has CUDA and threads: no fork
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_proc_main, args=(store, DupFd(pool.fd), pool.specs, pool.slot_bytes,
+                                                         pool.size, child), daemon=True)
+        self.proc.start()
+        child.close()
+        self.cpu = 0.0  # CPU seconds its writes took
+        self.ready = False
+
+    def _recv(self, unit: int | None):
+        try:
+            return self.conn.recv()
+        except EOFError:
+            self.proc.join(timeout=5)
+            what = "starting" if unit is None else f"writing unit {unit}"
+            raise RuntimeError(f"writer process {self.proc.pid} died (exit code {self.proc.exitcode}) "
+                               f"{what}") from None
+
+    def wait_ready(self):
+        """Until the process has imported its modules and opened the store (a few seconds)."""
+        if not self.ready:
+            self._recv(None)
+            self.ready = True
+
+    def write(self, buf: UnitBuffer, info: dict, held, clear: bool = True) -> bool:
+        self.wait_ready()
+        self.conn.send((buf.slot, buf.unit, info, held is not None, clear))
+        while True:
+            msg = self._recv(buf.unit)
+            if msg[0] == "held":
+                self.conn.send(held())
+            elif msg[0] == "done":
+                self.cpu += msg[2]
+                return msg[1]
+            else:
+                _, code, what, tb = msg
+                if code == errno_mod.ENOSPC:
+                    raise OSError(code, what)
+                raise RuntimeError(f"writer process {self.proc.pid}, unit {buf.unit}: {what}\n{tb}")
+
+    def close(self):
+        try:
+            self.conn.send(None)
+        except OSError:
+            pass
+        self.proc.join(timeout=30)
+        if self.proc.is_alive():
+            self.proc.kill()
+
+
+# --- the writers ----------------------------------------------------------------------------
+
+class UnitWriters:
+    """n writer threads over a pool of n + extra buffers; procs: each thread writes through a
+    process of its own. submit() hands a filled buffer over; the first error is kept in .error
+    (and unblocks whoever waits on the pool) for the worker's main loop to raise."""
+
+    def __init__(self, store: str, layout: st.Layout, n: int, procs: bool, extra: int, pin: bool,
+                 claims=None, rank: int = 0, progress_q=None, clear: bool = True):
+        self.store, self.claims, self.rank, self.progress_q = store, claims, rank, progress_q
+        self.n, self.procs, self.clear = n, procs, clear
+        self.pool = UnitPool(layout, n + extra, pin, shared=procs)
+        self.writer = st.StoreWriter(store)
+        self.q: queue.Queue = queue.Queue()
+        self.error: BaseException | None = None
+        self._procs = [WriterProc(store, self.pool) for _ in range(n)] if procs else []
+        self._threads = [threading.Thread(target=self._guard(self._loop), args=(i,), daemon=True)
+                         for i in range(n)]
+        for t in self._threads:
+            t.start()
+
+    def describe(self) -> str:
+        gib = self.pool.size * self.pool.slot_bytes / 2 ** 30
+        how = f"{self.n} writer {'processes' if self.procs else 'threads'}"
+        return f"{how}, {self.pool.size} unit buffers ({gib:,.1f} GiB{' pinned' if self.pool.pinned else ''})"
+
+    def fail(self, e: BaseException):
+        self.error = self.error or e
+        for _ in range(self.pool.size + 2):  # unblock whoever waits on the pool
+            self.pool.free.put(UnitBuffer(-1, {}))
+
+    def _guard(self, fn):
+        def run(*args):
+            try:
+                fn(*args)
+            except BaseException as e:
+                self.fail(e)
+        return run
+
+    def submit(self, buf: UnitBuffer):
+        self.q.put(buf)
+
+    def wait_ready(self):
+        for p in self._procs:
+            p.wait_ready()
+
+    def cpu_seconds(self) -> float:
+        """CPU time the writer processes spent writing (0 without processes: it is the worker's)."""
+        return sum(p.cpu for p in self._procs)
+
+    def _loop(self, i: int):
+        proc = self._procs[i] if self.procs else None
+        while (buf := self.q.get()) is not _STOP:
+            info = {"samples": buf.samples, "tokens": buf.tokens, "dropped": buf.dropped, "rank": self.rank,
+                    "seconds": round(time.time() - buf.started, 3),
+                    "by": None if self.claims is None else self.claims.owner}
+            name = st.unit_name(buf.unit)
+            held = None if self.claims is None else (lambda: self.claims.holds(name))
+            if proc is not None:
+                ok = proc.write(buf, info, held, self.clear)
+            else:
+                ok = st.write_unit(self.writer, buf.unit, buf.numpy(), info, held)
+            if ok:
+                if self.progress_q is not None:
+                    self.progress_q.put(("unit", buf.unit, buf.samples - len(buf.dropped), buf.tokens))
+            else:
+                log(f"unit {buf.unit}: not marked here (its claim was lost, or it was finished elsewhere)")
+            if self.claims is not None:
+                self.claims.release(name)
+            self.pool.put(buf, zero=proc is None and self.clear)  # a writer process clears its own
+
+    def close(self):
+        """Write what was submitted, then stop the threads and processes."""
+        for _ in self._threads:
+            self.q.put(_STOP)
+        for t in self._threads:
+            t.join()
+        for p in self._procs:
+            p.close()
+        self.pool.close()
