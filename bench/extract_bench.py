@@ -228,6 +228,8 @@ def report(r: dict, label: str = ""):
     if "autotunes" in r:
         print(f"Triton: {r['autotunes']} autotuning runs ({r['autotune_s']:.1f} s of tuning reported), "
               f"{r['cached_kernels']} compiled kernels in the cache after the run")
+        for name, (n, secs) in sorted(r.get("tuned_kernels", {}).items(), key=lambda kv: -kv[1][1]):
+            print(f"  tuned {name}: {n} key{'s' * (n > 1)}, {secs:.1f} s")
     for name, ms in r["head_ms"].items():
         print(f"  LM head, one chunk of {r['logit_chunk']} tokens: {name:34s}{ms:8.2f} ms")
 
@@ -279,14 +281,19 @@ def main():
                    "TRITON_PRINT_AUTOTUNING": "1"}
             p = subprocess.run(cmd, env=env, capture_output=True, text=True)
             # Triton prints "Triton autotuning for function NAME,\nwith key as ...,\nfinished after Xs" (one line or several)
-            tunes = [float(m) for m in re.findall(r"Triton autotuning for function \S+.*?finished after ([0-9.]+)s",
-                                                   p.stdout + p.stderr, flags=re.S)]
+            found = re.findall(r"Triton autotuning for function (\S+?),?\s.*?finished after ([0-9.]+)s",
+                               p.stdout + p.stderr, flags=re.S)
+            tunes = [float(t) for _, t in found]
+            by_kernel = {}
+            for name, t in found:
+                n, secs = by_kernel.get(name, (0, 0.0))
+                by_kernel[name] = (n + 1, secs + float(t))
             if p.returncode != 0 or not out.exists():
                 print(f"run {spec} FAILED (exit {p.returncode}):\n{(p.stdout + p.stderr)[-3000:]}", flush=True)
                 results.append({"run": spec, "error": (p.stdout + p.stderr)[-3000:]})
                 continue
             r = json.loads(out.read_text())
-            r.update(run=spec, autotunes=len(tunes), autotune_s=sum(tunes),
+            r.update(run=spec, autotunes=len(tunes), autotune_s=sum(tunes), tuned_kernels=by_kernel,
                      cached_kernels=sum(1 for _ in Path(caches[key]).rglob("*.json")))
             report(r, f"[{spec}] ")
             results.append(r)

@@ -54,15 +54,24 @@ def enable(device_name: str, target_config: dict) -> "Recorder | None":
     return Recorder(folder)
 
 
+def autotuner_of(obj):
+    """The FLA autotuner inside a kernel object (often under @triton.heuristics), or None."""
+    from fla.ops.utils.cache import CachedAutotuner
+    for _ in range(4):
+        if isinstance(obj, CachedAutotuner):
+            return obj
+        obj = getattr(obj, "fn", None)
+    return None
+
+
 def fla_autotuners() -> list:
     """Every autotuner of FLA's config lookup among the modules imported so far."""
-    from fla.ops.utils.cache import CachedAutotuner
     found = {}
     for name, mod in list(sys.modules.items()):
         if name.startswith("fla.") and mod is not None:
             for v in list(vars(mod).values()):
-                if isinstance(v, CachedAutotuner):
-                    found[id(v)] = v
+                if (t := autotuner_of(v)) is not None:
+                    found[id(t)] = t
     return list(found.values())
 
 

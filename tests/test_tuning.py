@@ -40,6 +40,13 @@ def test_recorded_configs_are_found_by_fla_exact_and_for_other_sizes(tmp_path, m
     assert cfg.kwargs == {"BT": 64} and cfg.num_warps == 8
 
 
+def test_autotuners_are_found_under_heuristics():
+    t = _tuner()
+    wrapped = triton.heuristics({"HAS_X": lambda args: True})(t)  # how FLA decorates cumsum
+    assert tuning.autotuner_of(wrapped) is t and tuning.autotuner_of(t) is t
+    assert tuning.autotuner_of(object()) is None
+
+
 def test_config_folder_is_per_gpu_and_target_shape(tmp_path):
     a = tuning.config_dir("NVIDIA H200", {"hidden_size": 5120, "linear_key_head_dim": 128}, str(tmp_path))
     b = tuning.config_dir("NVIDIA H200", {"hidden_size": 4096, "linear_key_head_dim": 128}, str(tmp_path))
