@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -11,6 +14,44 @@ import pytest
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def start_group(cmd: list[str], **env) -> subprocess.Popen:
+    """A process (torchrun, a CLI) in its own process group, so finish_groups reaches its
+    children; faulthandler on, so a hang can be made to print every thread's stack."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1", **env}
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+def finish_groups(procs: list[subprocess.Popen], timeout: float = 300) -> list[str]:
+    """Wait for every process; their stderr. If they are not done by the timeout, every process of
+    every group is sent SIGABRT (faulthandler prints where each thread was) and the test fails
+    with those stacks; nothing is left running either way."""
+    deadline, errs = time.time() + timeout, []
+    try:
+        for p in procs:
+            errs.append(p.communicate(timeout=max(1.0, deadline - time.time()))[1] or "")
+    except subprocess.TimeoutExpired:
+        stacks = []
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGABRT)
+        for p in procs:
+            try:
+                stacks.append((p.communicate(timeout=20)[1] or "")[-6000:])
+            except subprocess.TimeoutExpired:
+                stacks.append("(no output after SIGABRT)")
+        raise AssertionError(f"{len(procs)} process group(s) still running after {timeout:.0f} s; their stderr "
+                             f"and stacks:\n" + "\n----\n".join(stacks)) from None
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    return errs
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import assert_trained_alike, extract_cfg, read_all, tcfg
+from conftest import assert_trained_alike, extract_cfg, finish_groups, read_all, start_group, tcfg
 from extract.inspect import main as inspect_main, verify
 from extract.run import run
 from shared import store as st
@@ -39,25 +39,6 @@ def _same(a, b):
     assert ref.keys() == got.keys()
     for k in ref:
         assert np.array_equal(ref[k], got[k]), k
-
-
-def _finish(procs, timeout: float = 600) -> list[str]:
-    """Wait for every process; kill them all if one hangs (no stray agents after a failure)."""
-    deadline, errs = time.time() + timeout, []
-    try:
-        for p in procs:
-            errs.append(p.communicate(timeout=max(1.0, deadline - time.time()))[1] or "")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-    return errs
-
-
-def _start(cmd) -> subprocess.Popen:
-    return subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # its own process group: _finish kills its children too
 
 
 def _free_port() -> int:
@@ -146,8 +127,8 @@ def test_two_concurrent_runs_share_the_units(tiny, long_corpus, tmp_path, where,
     corpus, reference = long_corpus
     store = str(tmp_path / "s") if where == "local" else request.getfixturevalue("s3").url(f"stores/{tmp_path.name}")
     cmd = _cmd({**tiny, "corpus": corpus}, store)
-    procs = [_start([sys.executable, *cmd]) for _ in range(2)]
-    errs = _finish(procs)
+    procs = [start_group([sys.executable, *cmd]) for _ in range(2)]
+    errs = finish_groups(procs)
     assert [p.returncode for p in procs] == [0, 0], errs
     _same(reference, store)
     owners = {m["by"] for m in st.done_units(store).values()}
@@ -159,8 +140,8 @@ def test_two_torchrun_nodes_extract_into_one_s3_store(tiny, long_corpus, s3):
     corpus, reference = long_corpus
     url = s3.url("stores/torchrun")
     port = _free_port()
-    agents = [_start(_torchrun(port, *_cmd({**tiny, "corpus": corpus}, url))) for _ in range(2)]
-    errs = _finish(agents)
+    agents = [start_group(_torchrun(port, *_cmd({**tiny, "corpus": corpus}, url))) for _ in range(2)]
+    errs = finish_groups(agents)
     assert [a.returncode for a in agents] == [0, 0], [e[-3000:] for e in errs]
     _same(reference, url)
     done = st.done_units(url)
@@ -177,8 +158,8 @@ def test_two_torchrun_nodes_train_from_s3_like_one_process_with_accumulation(ref
     args = ["-m", "train", "--store", s3_store, "--out", str(tmp_path / "two"), "--draft", str(draft),
             "--seq-len", "512", "--max-anchors", "16", "--epochs", "1", "--lr", "3e-3", "--seed", "3",
             "--workers", "1", "--loss-chunk", "64", "--log-every", "2", "--no-progress"]
-    agents = [_start(_torchrun(port, *args)) for _ in range(2)]
-    errs = _finish(agents, timeout=300)
+    agents = [start_group(_torchrun(port, *args)) for _ in range(2)]
+    errs = finish_groups(agents, timeout=300)
     assert [a.returncode for a in agents] == [0, 0], [e[-3000:] for e in errs]
     assert one["step"] > 0
     assert_trained_alike(tmp_path / "one", tmp_path / "two", one["step"])

@@ -4,16 +4,14 @@ export/reload, layer subsets, and every refusal before work starts."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import assert_trained_alike, extract_cfg, params, tcfg
+from conftest import assert_trained_alike, extract_cfg, finish_groups, params, start_group, tcfg
 from extract.run import run as extract_run
 from train.config import ConfigError, DrafterConfig
 
@@ -94,13 +92,13 @@ def test_two_ranks_equal_one_rank_with_accumulation(store, draft, tmp_path):
     seed, counts = uneven_seed(store, 512)
     one = train(tcfg(store, draft, tmp_path / "one", seq_len=512, epochs=2, seed=seed, grad_accum=2))
     assert one["step"] == counts[0] // 2 + counts[1] // 2
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "train",
            "--store", str(store), "--out", str(tmp_path / "two"), "--draft", str(draft), "--seq-len", "512",
            "--max-anchors", "16", "--epochs", "2", "--lr", "3e-3", "--seed", str(seed), "--workers", "0",
            "--loss-chunk", "64", "--log-every", "2", "--no-progress"]
-    res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
+    proc = start_group(cmd)
+    err = finish_groups([proc])[0]  # ~40 s here; a hang fails with every rank's stack
+    assert proc.returncode == 0, err[-3000:]
     assert_trained_alike(tmp_path / "one", tmp_path / "two", one["step"])
 
 
