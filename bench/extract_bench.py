@@ -132,6 +132,8 @@ def measure(a) -> dict:
     t_pipe = timed(lambda: w.run(list(range(layout.n_units))), device)
     t_gpu = w.gpu_done_at - t_start
     cpu_worker, cpu_writers = time.process_time() - c_start, w.out.cpu_seconds()
+    queued = [q for q, _ in w.out.timings]
+    writing = [x for _, x in w.out.timings]
     disk = st.disk_bytes(store)
     log(f"pipeline: {t_pipe:.1f} s, GPU side {t_gpu:.1f} s, {tokens / t_pipe:,.0f} tok/s")
 
@@ -196,7 +198,9 @@ def measure(a) -> dict:
             "tokens": tokens, "mean_len": tokens / len(lengths), "max_len": max(lengths), "buckets": a.buckets,
             "pow2": a.pow2, "batches": len(tensors), "shapes": len(shapes),
             "padded_tokens": sum(ids.numel() for ids, _, _ in tensors), "writers": w.writers, "writer_procs": w.procs, "cores": cores,
-            "cpu_worker_s": cpu_worker, "cpu_writers_s": cpu_writers,
+            "cpu_worker_s": cpu_worker, "cpu_writers_s": cpu_writers, "buffer_wait_s": w.out.pool.waited,
+            "unit_queued_s": [float(np.mean(queued)), float(np.max(queued))],
+            "unit_write_s": [float(np.mean(writing)), float(np.max(writing))],
             "units": layout.n_units, "body_s": min(t_body, t_body2), "target_s": min(t_target, t_target2),
             "features_s": t_feat, "pipeline_gpu_s": t_gpu, "pipeline_s": t_pipe, "disk_bytes": disk,
             "raw_bytes": tokens * len(layer_ids) * tcfg.hidden_size * 2, "peak_gib": peak, "head_ms": head_ms,
@@ -225,6 +229,9 @@ def report(r: dict, label: str = ""):
         print(f"host CPU during the pipeline: {(cw + cp) / r['pipeline_s']:.1f} cores busy (worker process "
               f"{cw / r['pipeline_s']:.1f}, writer processes {cp / r['pipeline_s']:.1f}); raw features written at "
               f"{r['raw_bytes'] / r['pipeline_s'] / 1e9:.2f} GB/s")
+        (qm, qx), (wm, wx) = r["unit_queued_s"], r["unit_write_s"]
+        print(f"the device waited {r['buffer_wait_s']:.1f} s for a free unit buffer; a unit waited for a writer "
+              f"{qm:.2f} s (max {qx:.2f}), then took {wm:.2f} s (max {wx:.2f}) to write")
     if "autotunes" in r:
         print(f"Triton: {r['autotunes']} autotuning runs ({r['autotune_s']:.1f} s of tuning reported), "
               f"{r['cached_kernels']} compiled kernels in the cache after the run")

@@ -131,7 +131,7 @@ def main():
           f"{os.cpu_count()} CPUs visible; {n_units} units per row")
     kinds = [f"t{x}" for x in a.threads.split(",")] if a.threads else a.writers.split(",")
     print(f"{'writers':>8s}{'raw GB/s':>10s}{'cores busy':>12s}{'GB/s per core':>15s}{'disk GB/s':>11s}"
-          f"{'read GB/s':>11s}{'read cores':>12s}")
+          f"{'read GB/s':>11s}{'read cores':>12s}{'s/unit write':>14s}")
     for kind in kinds:
         procs, W = kind[0] == "p", int(kind[1:])
         store = server.url(f"hbench/store-{kind}") if server else str(tmp / f"store-{kind}")
@@ -170,10 +170,11 @@ def main():
         rwall, rcpu = on_threads(W, n_units, read)
         r = {"writers": kind, "raw_gbs": raw / wall / 1e9, "cores_busy": cpu / wall,
              "gbs_per_core": raw / cpu / 1e9, "disk_gbs": disk / wall / 1e9, "ratio": raw / disk,
-             "read_raw_gbs": raw / rwall / 1e9, "read_cores_busy": rcpu / rwall}
+             "read_raw_gbs": raw / rwall / 1e9, "read_cores_busy": rcpu / rwall,
+             "unit_write_s": float(np.mean([x for _, x in out.timings]))}
         rows.append(r)
         print(f"{kind:>8s}{r['raw_gbs']:10.2f}{r['cores_busy']:12.1f}{r['gbs_per_core']:15.3f}{r['disk_gbs']:11.2f}"
-              f"{r['read_raw_gbs']:11.2f}{r['read_cores_busy']:12.1f}", flush=True)
+              f"{r['read_raw_gbs']:11.2f}{r['read_cores_busy']:12.1f}{r['unit_write_s']:14.2f}", flush=True)
         as_location(store).delete_all()
     if server is not None:
         server.stop()

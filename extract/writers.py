@@ -65,6 +65,7 @@ class UnitBuffer:
     tokens: int = 0
     dropped: list = field(default_factory=list)
     started: float = 0.0
+    submitted: float = 0.0
 
     def numpy(self) -> dict[str, np.ndarray]:
         out = {}
@@ -84,6 +85,7 @@ class UnitPool:
         self.specs = _specs(layout)
         self.slot_bytes = _slot_bytes(self.specs)
         self.size, self.pinned = size, pin
+        self.waited = 0.0  # seconds get() blocked: the device waiting on the writers
         self.fd = self.mm = self._pinned = None
         self.free: queue.Queue = queue.Queue()
         if shared:
@@ -111,7 +113,9 @@ class UnitPool:
         self._pinned = whole
 
     def get(self, unit: int, samples: int, tokens: int) -> UnitBuffer:
+        t0 = time.perf_counter()
         buf = self.free.get()
+        self.waited += time.perf_counter() - t0
         buf.unit, buf.remaining, buf.samples, buf.tokens = unit, samples, samples, tokens
         buf.dropped, buf.started = [], time.time()
         return buf
@@ -229,6 +233,7 @@ class UnitWriters:
         self.writer = st.StoreWriter(store)
         self.q: queue.Queue = queue.Queue()
         self.error: BaseException | None = None
+        self.timings: list[tuple[float, float]] = []  # per unit: (s queued for a writer, s writing)
         self._procs = [WriterProc(store, self.pool) for _ in range(n)] if procs else []
         self._threads = [threading.Thread(target=self._guard(self._loop), args=(i,), daemon=True)
                          for i in range(n)]
@@ -254,6 +259,7 @@ class UnitWriters:
         return run
 
     def submit(self, buf: UnitBuffer):
+        buf.submitted = time.perf_counter()
         self.q.put(buf)
 
     def wait_ready(self):
@@ -272,10 +278,12 @@ class UnitWriters:
                     "by": None if self.claims is None else self.claims.owner}
             name = st.unit_name(buf.unit)
             held = None if self.claims is None else (lambda: self.claims.holds(name))
+            t0 = time.perf_counter()
             if proc is not None:
                 ok = proc.write(buf, info, held, self.clear)
             else:
                 ok = st.write_unit(self.writer, buf.unit, buf.numpy(), info, held)
+            self.timings.append((t0 - buf.submitted, time.perf_counter() - t0))
             if ok:
                 if self.progress_q is not None:
                     self.progress_q.put(("unit", buf.unit, buf.samples - len(buf.dropped), buf.tokens))
