@@ -41,6 +41,8 @@ fi
 if run 7; then
 echo "== 7. extraction host side: raw bf16 feature write rate, writer threads vs writer processes (27B layout) =="
 python bench/host_bench.py --writers t4,p2,p4,p7,p8 --units 16 --dir /tmp/hbench --json "$OUT/host.json"
+echo "-- the same with pinned buffers, as the worker has them (and the CPU's read rate from pinned memory)"
+python bench/host_bench.py --writers t4,p4,p7 --units 16 --dir /tmp/hbench --pin --json "$OUT/host_pinned.json"
 fi
 if run 8; then
 echo "== 8. extraction over a chat length mix, 16 layers of the 27B shape: cold and warm Triton cache =="

@@ -93,6 +93,29 @@ def on_threads(W: int, n_units: int, fn) -> tuple[float, float]:
     return time.perf_counter() - t0, cpu_seconds() - c0
 
 
+def read_rates(gib: float = 1.0):
+    """The CPU reading (copying out of) pinned and plain host memory: writers read their units from
+    pinned buffers, which a virtual machine may map differently from plain memory."""
+    import torch
+    n = int(gib * 2 ** 30)
+    dst = np.empty(n, dtype=np.uint8)
+    import mmap
+    fd = os.memfd_create("read-rate")
+    os.ftruncate(fd, n)
+    shared = torch.frombuffer(mmap.mmap(fd, n), dtype=torch.uint8)
+    torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(shared.data_ptr(), n, 0))
+    shared.fill_(1)
+    for name, src in (("plain", torch.ones(n, dtype=torch.uint8)),
+                      ("pinned (cudaHostAlloc)", torch.ones(n, dtype=torch.uint8, pin_memory=True)),
+                      ("shared memfd, registered (the writer processes' pool)", shared)):
+        a = src.numpy()
+        np.copyto(dst, a)
+        t0 = time.perf_counter()
+        for _ in range(3):
+            np.copyto(dst, a)
+        print(f"one core copying out of {name} memory: {3 * n / (time.perf_counter() - t0) / 1e9:.2f} GB/s", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--writers", default="t1,t4,p2,p4", help="tN: N threads, pN: N processes")
@@ -105,6 +128,8 @@ def main():
     ap.add_argument("--precision", default="bf16")
     ap.add_argument("--goal-gbs", type=float, default=2.0)
     ap.add_argument("--zarr-crc", action="store_true", help="baseline: zarr's own crc32c codec (inline on its event loop)")
+    ap.add_argument("--pin", action="store_true", help="pinned unit buffers, as a worker on a GPU has them "
+                    "(and first: the CPU's read rate from pinned and from plain memory)")
     ap.add_argument("--dir", default=None)
     ap.add_argument("--s3", action="store_true", help="write to (and read from) a local S3 server (SeaweedFS, "
                     "shared/s3local.py) instead of the disk")
@@ -130,6 +155,8 @@ def main():
           f"{'zarr inline' if a.zarr_crc else 'threaded'}) on {'S3 at ' + server.endpoint if server else tmp}; "
           f"{os.cpu_count()} CPUs visible; {n_units} units per row")
     kinds = [f"t{x}" for x in a.threads.split(",")] if a.threads else a.writers.split(",")
+    if a.pin:
+        read_rates()
     print(f"{'writers':>8s}{'raw GB/s':>10s}{'cores busy':>12s}{'GB/s per core':>15s}{'disk GB/s':>11s}"
           f"{'read GB/s':>11s}{'read cores':>12s}{'s/unit write':>14s}")
     for kind in kinds:
@@ -145,7 +172,7 @@ def main():
         w = st.StoreWriter(store)
         if layout.precision == "fp8":
             raise SystemExit("fp8: give --precision bf16 (the goal is stated for raw bf16 features)")
-        out = UnitWriters(store, layout, W, procs, extra=0, pin=False, clear=False)
+        out = UnitWriters(store, layout, W, procs, extra=0, pin=a.pin, clear=False)
         bufs = [out.pool.get(-1, 1, S) for _ in range(out.pool.size)]
         for i, b in enumerate(bufs):  # each buffer filled once, with one of the template units
             for name, arr in b.numpy().items():
