@@ -173,6 +173,8 @@ class Worker:
         dev = self.device
         seqs = [torch.from_numpy(unit_ids[lo:lo + n].astype(np.int64)) for _, lo, n in batch]
         ids, att = pad_batch(seqs, self.pad_id, padded)
+        if dev.type == "cuda":  # an asynchronous copy needs pinned memory: from pageable the driver may wait
+            ids, att = ids.pin_memory(), att.pin_memory()
         ns = [n for _, _, n in batch]
         hidden, idx, logp, lse, ok = forward_features(
             model, ids.to(dev, non_blocking=True), att.to(dev, non_blocking=True), ns, self.layer_ids,
