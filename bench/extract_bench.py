@@ -129,7 +129,22 @@ def measure(a) -> dict:
     planned = st.Store(store, require_complete=False)
     layout, index = planned.layout, planned.index()
     t_start, c_start = time.time(), time.process_time()
-    t_pipe = timed(lambda: w.run(list(range(layout.n_units))), device)
+    if a.profile:  # where the worker's own process spends the pipeline (the writer processes are apart)
+        from torch.profiler import ProfilerActivity, profile
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with profile(activities=acts) as prof:
+            t_pipe = timed(lambda: w.run(list(range(layout.n_units))), device)
+        ka = prof.key_averages()
+        print(ka.table(sort_by="self_cpu_time_total", row_limit=25), flush=True)
+        for e in sorted((e for e in ka if e.key.startswith("extract.")), key=lambda e: -e.cpu_time_total):
+            print(f"  {e.key:28s} {e.cpu_time_total / 1e6:8.2f} s on the worker's thread, {e.count} calls")
+        if device.type == "cuda":
+            print(ka.table(sort_by="self_cuda_time_total", row_limit=15), flush=True)
+            busy = sum(e.self_device_time_total for e in ka) / 1e6
+            print(f"profiled pipeline: {t_pipe:.1f} s wall, device kernels {busy:.1f} s "
+                  f"(the device idle ~{max(0.0, 1 - busy / t_pipe):.0%} of the time)", flush=True)
+    else:
+        t_pipe = timed(lambda: w.run(list(range(layout.n_units))), device)
     t_gpu = w.gpu_done_at - t_start
     cpu_worker, cpu_writers = time.process_time() - c_start, w.out.cpu_seconds()
     queued = [q for q, _ in w.out.timings]
@@ -257,6 +272,8 @@ def main():
     ap.add_argument("--codec", default="zstd1")
     ap.add_argument("--writers", type=int, default=0, help="0: the worker's automatic count")
     ap.add_argument("--writer-procs", default="auto", choices=("auto", "on", "off"))
+    ap.add_argument("--profile", action="store_true", help="run the pipeline under torch.profiler and print "
+                    "where the worker process spends it (slower: read the shares, not the times)")
     ap.add_argument("--shard-tokens", type=int, default=16384)
     ap.add_argument("--dir", default=None, help="where the store is written (default: a temp dir)")
     ap.add_argument("--json", default=None)
@@ -299,6 +316,8 @@ def main():
                 print(f"run {spec} FAILED (exit {p.returncode}):\n{(p.stdout + p.stderr)[-3000:]}", flush=True)
                 results.append({"run": spec, "error": (p.stdout + p.stderr)[-3000:]})
                 continue
+            if a.profile:  # the child's profile tables
+                print(f"[{spec}] profile:\n" + "\n".join(l for l in p.stdout.splitlines() if "it/s]" not in l), flush=True)
             r = json.loads(out.read_text())
             r.update(run=spec, autotunes=len(tunes), autotune_s=sum(tunes), tuned_kernels=by_kernel,
                      cached_kernels=sum(1 for _ in Path(caches[key]).rglob("*.json")))

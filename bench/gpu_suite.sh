@@ -55,6 +55,12 @@ python bench/extract_bench.py --shape 27b --seq-len 8192 --seqs 16 --json "$OUT/
 python bench/extract_bench.py --shape 27b --layers 16 --seq-len 2048 --seqs 48 --json "$OUT/extract_16l.json"
 fi
 
+if run b; then
+echo "== b. where the pipeline loses to the forward: the worker's process profiled, chat mix, 16 layers =="
+python bench/extract_bench.py --shape 27b --layers 16 --lengths chat --tokens 300000 --runs 0:cold,0:warm --profile \
+    --dir /dev/shm/xb --json "$OUT/extract_profile.json"
+fi
+
 if run a; then
 echo "== a. loader rows/s from a local S3 server (SeaweedFS on this host) vs the local disk, 27B drafter shapes =="
 python bench/train_bench.py --sections loader --loader-samples 6 --workers 12 --step-ms 341 --loader-where local,s3 \

@@ -21,6 +21,7 @@ import time
 
 import numpy as np
 import torch
+from torch.profiler import record_function
 
 from extract.claims import Claims, claimed_units
 from extract.config import ExtractConfig
@@ -147,13 +148,15 @@ class Worker:
             log(f"worker {self.rank} on {dev}: {self.out.describe()}")
             for u in units:
                 members = by_unit[u]
-                buf = self.out.pool.get(u, len(members), int(lengths[members].sum()))
+                with record_function("extract.wait_buffer"):
+                    buf = self.out.pool.get(u, len(members), int(lengths[members].sum()))
                 if self.error:
                     raise self.error
                 if len(members) == 0:
                     self.out.submit(buf)
                     continue
-                unit_ids = self.reader.unit_tokens(u)
+                with record_function("extract.unit_tokens"):
+                    unit_ids = self.reader.unit_tokens(u)
                 items = [(int(i), int(offsets[i]) - u * S, int(lengths[i])) for i in members]
                 for batch, padded in plan_batches(items, cfg.batch_tokens, cfg.max_batch, cfg.buckets_per_octave,
                                                    cfg.pow2_batch):
@@ -171,15 +174,17 @@ class Worker:
 
     def _batch(self, model, buf: UnitBuffer, batch, padded: int, unit_ids, files, rows, copy_stream):
         dev = self.device
-        seqs = [torch.from_numpy(unit_ids[lo:lo + n].astype(np.int64)) for _, lo, n in batch]
-        ids, att = pad_batch(seqs, self.pad_id, padded)
-        if dev.type == "cuda":  # an asynchronous copy needs pinned memory: from pageable the driver may wait
-            ids, att = ids.pin_memory(), att.pin_memory()
+        with record_function("extract.prepare_batch"):
+            seqs = [torch.from_numpy(unit_ids[lo:lo + n].astype(np.int64)) for _, lo, n in batch]
+            ids, att = pad_batch(seqs, self.pad_id, padded)
+            if dev.type == "cuda":  # an asynchronous copy needs pinned memory: from pageable the driver may wait
+                ids, att = ids.pin_memory(), att.pin_memory()
         ns = [n for _, _, n in batch]
-        hidden, idx, logp, lse, ok = forward_features(
-            model, ids.to(dev, non_blocking=True), att.to(dev, non_blocking=True), ns, self.layer_ids,
-            self.layout.topk, self.cfg.logit_chunk)
-        feats = st.encode_features(self.layout.precision, hidden, idx, logp, lse)
+        with record_function("extract.forward_features"):
+            hidden, idx, logp, lse, ok = forward_features(
+                model, ids.to(dev, non_blocking=True), att.to(dev, non_blocking=True), ns, self.layer_ids,
+                self.layout.topk, self.cfg.logit_chunk)
+            feats = st.encode_features(self.layout.precision, hidden, idx, logp, lse)
         event, ok_host = None, ok
         for name, t in feats.items():  # copy_ would broadcast a wrong layer count silently
             if t.shape[1:] != buf.arrays[name].shape[1:]:
@@ -188,7 +193,7 @@ class Worker:
         ctx = torch.cuda.stream(copy_stream) if copy_stream is not None else contextlib.nullcontext()
         if copy_stream is not None:
             copy_stream.wait_stream(torch.cuda.current_stream(dev))
-        with ctx:
+        with ctx, record_function("extract.copies_to_host"):
             pos = 0
             for _, lo, n in batch:  # each sample straight into its place in the unit's pinned buffer
                 for name, t in feats.items():
