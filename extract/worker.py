@@ -71,7 +71,8 @@ def writer_count(cfg: ExtractConfig, cores: int, procs: bool) -> int:
     """--writers, or from the cores this worker has, two left for the forward's host work and the
     collector. Threads: at most 8 (on a 16-core H200 host 4, 8 and 16 threads wrote at the same
     rate, the process's zarr machinery being the limit: bench/host_bench.py). Processes: one per
-    two cores (each keeps ~2 busy). Each writer holds one unit buffer (pinned memory on a GPU)."""
+    two cores (4 and 8 wrote at the same rate on 16 cores, each keeping about one busy). Each writer
+    holds one unit buffer (pinned memory on a GPU)."""
     if cfg.writers > 0:
         return cfg.writers
     free = max(2, cores - 2)
@@ -137,7 +138,7 @@ class Worker:
         # writer processes start first: their imports overlap the model's load
         self.out = UnitWriters(cfg.store, self.layout, self.writers, self.procs, extra=cfg.queue_units + 1,
                                pin=cuda, claims=self.claims, rank=self.rank, progress_q=self.progress_q)
-        collector = threading.Thread(target=self.out._guard(self._collector), daemon=True)
+        collector = threading.Thread(target=self.out.guard(self._collector), daemon=True)
         collector.start()
         try:
             model = self.model if self.model is not None else load_target(cfg.target, dev, dtype)

@@ -235,7 +235,7 @@ class UnitWriters:
         self.error: BaseException | None = None
         self.timings: list[tuple[float, float]] = []  # per unit: (s queued for a writer, s writing)
         self._procs = [WriterProc(store, self.pool) for _ in range(n)] if procs else []
-        self._threads = [threading.Thread(target=self._guard(self._loop), args=(i,), daemon=True)
+        self._threads = [threading.Thread(target=self.guard(self._loop), args=(i,), daemon=True)
                          for i in range(n)]
         for t in self._threads:
             t.start()
@@ -250,7 +250,8 @@ class UnitWriters:
         for _ in range(self.pool.size + 2):  # unblock whoever waits on the pool
             self.pool.free.put(UnitBuffer(-1, {}))
 
-    def _guard(self, fn):
+    def guard(self, fn):
+        """fn, with its exception kept as .error (and the pool unblocked), not lost with its thread."""
         def run(*args):
             try:
                 fn(*args)
