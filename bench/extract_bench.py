@@ -8,6 +8,7 @@
 
 Rows (all over the batches the worker itself plans: bucketed lengths, same sizes):
   body forward          model.model(ids, attention_mask) only (no LM head)
+  body, no mask         the same without the mask, as forward_features calls it (exact for right padding)
   target forward        the body plus the LM head's logits for every real token (what a causal LM's
                         forward computes; chunked), no top-k: the baseline the ratios use
   forward+features      the worker's forward_features: hooks, pad removal, LM head, top-k, lse
@@ -96,6 +97,42 @@ def plan_only(a):
                   f"{len(shapes):8d}{n:9d}")
 
 
+def sync_check(w: Worker, model, planned: st.Store, index) -> dict[str, int]:
+    """One real batch through the worker's own batch step (forward, features, copies into a pinned
+    shared unit buffer) with CUDA's sync debug mode on: where the host waited for the device, as
+    {file:line: count}. A wait leaves the device idle while the host prepares what comes next."""
+    import warnings
+    from extract.writers import UnitPool
+    S = planned.layout.shard_tokens
+    members = st.samples_by_unit(index["offset"], S, planned.layout.n_units)[0]
+    items = [(int(i), int(index["offset"][i]), int(index["length"][i])) for i in members]
+    batch, padded = next(plan_batches(items, w.cfg.batch_tokens, w.cfg.max_batch, w.cfg.buckets_per_octave,
+                                      w.cfg.pow2_batch))
+    pool = UnitPool(planned.layout, 1, pin=True, shared=True)
+    buf = pool.get(0, len(batch), 0)
+    stream = torch.cuda.Stream()
+    args = (model, buf, batch, padded, planned.unit_tokens(0), index["file"], index["row"], stream)
+    w._batch(*args)  # warm: a first call may compile
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            w._batch(*args)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    pool.close()
+    found: dict[str, int] = {}
+    for c in caught:
+        if "synchroniz" in str(c.message):
+            key = f"{Path(c.filename).parent.name}/{Path(c.filename).name}:{c.lineno}"
+            found[key] = found.get(key, 0) + 1
+    while not w.collect_q.empty():
+        w.collect_q.get()
+    return found
+
+
 def measure(a) -> dict:
     """One process: build the target, plan the store, run the worker, then the baselines."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -139,7 +176,7 @@ def measure(a) -> dict:
         for e in sorted((e for e in ka if e.key.startswith("extract.")), key=lambda e: -e.cpu_time_total):
             print(f"  {e.key:28s} {e.cpu_time_total / 1e6:8.2f} s on the worker's thread, {e.count} calls")
         if device.type == "cuda":
-            print(ka.table(sort_by="self_cuda_time_total", row_limit=15), flush=True)
+            print(ka.table(sort_by="self_device_time_total", row_limit=15), flush=True)
             busy = sum(e.self_device_time_total for e in ka) / 1e6
             print(f"profiled pipeline: {t_pipe:.1f} s wall, device kernels {busy:.1f} s "
                   f"(the device idle ~{max(0.0, 1 - busy / t_pipe):.0%} of the time)", flush=True)
@@ -151,6 +188,7 @@ def measure(a) -> dict:
     writing = [x for _, x in w.out.timings]
     disk = st.disk_bytes(store)
     log(f"pipeline: {t_pipe:.1f} s, GPU side {t_gpu:.1f} s, {tokens / t_pipe:,.0f} tok/s")
+    syncs = sync_check(w, model, planned, index) if device.type == "cuda" else None
 
     # 2. the baselines over the same batches the worker planned, warm
     S = layout.shard_tokens
@@ -169,6 +207,12 @@ def measure(a) -> dict:
                 model.model(input_ids=ids, attention_mask=att, use_cache=False)
                 sync(device)
 
+    def body_unmasked():  # as forward_features calls it: right padding needs no mask (shared/features.py)
+        with torch.no_grad():
+            for ids, _, _ in tensors:
+                model.model(input_ids=ids, use_cache=False)
+                sync(device)
+
     def target():
         with torch.no_grad():
             for ids, att, ns in tensors:
@@ -181,14 +225,17 @@ def measure(a) -> dict:
     def feats():
         with torch.no_grad():
             for ids, att, ns in tensors:
-                forward_features(model, ids, att, ns, layer_ids, 16, cfg.logit_chunk)
+                forward_features(model, ids, ns, layer_ids, 16, cfg.logit_chunk)
                 sync(device)
 
-    feats()  # warm (the worker already was)
+    if a.baseline_twice:
+        feats()  # warm (the worker already was, over the same shapes)
     t_body, t_target, t_feat = timed(body, device), timed(target, device), timed(feats, device)
+    t_unmasked = timed(body_unmasked, device)
     log(f"body {t_body:.1f} s, target forward {t_target:.1f} s, forward+features {t_feat:.1f} s "
         f"over {len(tensors)} batches of {len(shapes)} shapes")
-    t_body2, t_target2 = timed(body, device), timed(target, device)  # drift between first and last
+    t_body2, t_target2 = ((timed(body, device), timed(target, device)) if a.baseline_twice  # drift between first
+                          else (t_body, t_target))                                      # and last
 
     # 3. the LM head alone on one chunk: matmul, the old float32 top-k/lse, the new path
     head_ms = {}
@@ -216,10 +263,10 @@ def measure(a) -> dict:
             "cpu_worker_s": cpu_worker, "cpu_writers_s": cpu_writers, "buffer_wait_s": w.out.pool.waited,
             "unit_queued_s": [float(np.mean(queued)), float(np.max(queued))],
             "unit_write_s": [float(np.mean(writing)), float(np.max(writing))],
-            "units": layout.n_units, "body_s": min(t_body, t_body2), "target_s": min(t_target, t_target2),
+            "units": layout.n_units, "body_s": min(t_body, t_body2), "body_unmasked_s": t_unmasked, "target_s": min(t_target, t_target2),
             "features_s": t_feat, "pipeline_gpu_s": t_gpu, "pipeline_s": t_pipe, "disk_bytes": disk,
             "raw_bytes": tokens * len(layer_ids) * tcfg.hidden_size * 2, "peak_gib": peak, "head_ms": head_ms,
-            "precision": a.precision, "codec": a.codec, "layer_ids": layer_ids}
+            "precision": a.precision, "codec": a.codec, "layer_ids": layer_ids, "syncs": syncs}
 
 
 def report(r: dict, label: str = ""):
@@ -230,8 +277,11 @@ def report(r: dict, label: str = ""):
           f"{r['buckets']}{' pow2' if r['pow2'] else ''}; {r['units']} units, {r['writers']} writer "
           f"{'processes' if r.get('writer_procs') else 'threads'}, {r['cores']} cores")
     print(f"{'':26s}{'seconds':>9s}{'tok/s':>11s}{'vs target':>11s}{'vs body':>9s}")
-    for name, key in (("body forward", "body_s"), ("target forward", "target_s"), ("forward+features", "features_s"),
+    for name, key in (("body forward", "body_s"), ("body, no mask (as ours)", "body_unmasked_s"),
+                      ("target forward", "target_s"), ("forward+features", "features_s"),
                       ("pipeline, GPU side", "pipeline_gpu_s"), ("pipeline, store written", "pipeline_s")):
+        if key not in r:
+            continue
         t = r[key]
         print(f"{name:26s}{t:9.2f}{tok / t:11,.0f}{r['target_s'] / t:11.3f}{r['body_s'] / t:9.3f}")
     drain = r["pipeline_s"] - r["pipeline_gpu_s"]
@@ -247,6 +297,9 @@ def report(r: dict, label: str = ""):
         (qm, qx), (wm, wx) = r["unit_queued_s"], r["unit_write_s"]
         print(f"the device waited {r['buffer_wait_s']:.1f} s for a free unit buffer; a unit waited for a writer "
               f"{qm:.2f} s (max {qx:.2f}), then took {wm:.2f} s (max {wx:.2f}) to write")
+    if r.get("syncs") is not None:
+        where = ", ".join(f"{k} x{n}" for k, n in sorted(r["syncs"].items(), key=lambda kv: -kv[1]))
+        print(f"host waits for the device in one batch of the worker: {sum(r['syncs'].values())} ({where or 'none'})")
     if "autotunes" in r:
         print(f"Triton: {r['autotunes']} autotuning runs ({r['autotune_s']:.1f} s of tuning reported), "
               f"{r['cached_kernels']} compiled kernels in the cache after the run")
@@ -273,7 +326,13 @@ def main():
     ap.add_argument("--writers", type=int, default=0, help="0: the worker's automatic count")
     ap.add_argument("--writer-procs", default="auto", choices=("auto", "on", "off"))
     ap.add_argument("--profile", action="store_true", help="run the pipeline under torch.profiler and print "
-                    "where the worker process spends it (slower: read the shares, not the times)")
+                    "where the worker process spends it (slower: read the shares, not the times; with --runs, "
+                    "warm runs only)")
+    ap.add_argument("--cache", default=None, help="--runs: the Triton caches' folder (default: new temp dirs); "
+                    "a warm run finds what an earlier invocation's cold run left there")
+    ap.add_argument("--once", dest="baseline_twice", action="store_false", help="the body and target forwards "
+                    "timed once, not twice, and no warm-up call before them (the best of two guards against drift; "
+                    "once is for quick checks)")
     ap.add_argument("--shard-tokens", type=int, default=16384)
     ap.add_argument("--dir", default=None, help="where the store is written (default: a temp dir)")
     ap.add_argument("--json", default=None)
@@ -295,11 +354,19 @@ def main():
             buckets, cache = spec.split(":")
             key = buckets + ("p" if a.pow2 else "")
             if cache == "cold" or key not in caches:
-                caches[key] = tempfile.mkdtemp(prefix="triton-")
+                if a.cache:  # one place across invocations: a later `--runs B:warm --cache DIR` is warm
+                    caches[key] = f"{a.cache}/{key}"
+                    if cache == "cold":
+                        shutil.rmtree(caches[key], ignore_errors=True)
+                    os.makedirs(caches[key], exist_ok=True)
+                else:
+                    caches[key] = tempfile.mkdtemp(prefix="triton-")
             out = Path(tempfile.mkdtemp()) / "r.json"
             argv = list(sys.argv[1:])
             i = argv.index("--runs")
             del argv[i:i + 2]
+            if cache == "cold" and "--profile" in argv:  # a cold run's profile is the tuning's: warm runs only
+                argv.remove("--profile")
             cmd = [sys.executable, __file__, *argv, "--buckets", buckets, "--child-json", str(out)]
             env = {**os.environ, "TRITON_CACHE_DIR": caches[key], "TORCHINDUCTOR_CACHE_DIR": caches[key] + "/inductor",
                    "TRITON_PRINT_AUTOTUNING": "1"}
@@ -316,7 +383,7 @@ def main():
                 print(f"run {spec} FAILED (exit {p.returncode}):\n{(p.stdout + p.stderr)[-3000:]}", flush=True)
                 results.append({"run": spec, "error": (p.stdout + p.stderr)[-3000:]})
                 continue
-            if a.profile:  # the child's profile tables
+            if a.profile and cache == "warm":  # the child's profile tables
                 print(f"[{spec}] profile:\n" + "\n".join(l for l in p.stdout.splitlines() if "it/s]" not in l), flush=True)
             r = json.loads(out.read_text())
             r.update(run=spec, autotunes=len(tunes), autotune_s=sum(tunes), tuned_kernels=by_kernel,

@@ -177,14 +177,13 @@ class Worker:
         dev = self.device
         with record_function("extract.prepare_batch"):
             seqs = [torch.from_numpy(unit_ids[lo:lo + n].astype(np.int64)) for _, lo, n in batch]
-            ids, att = pad_batch(seqs, self.pad_id, padded)
+            ids, _ = pad_batch(seqs, self.pad_id, padded)
             if dev.type == "cuda":  # an asynchronous copy needs pinned memory: from pageable the driver may wait
-                ids, att = ids.pin_memory(), att.pin_memory()
+                ids = ids.pin_memory()
         ns = [n for _, _, n in batch]
         with record_function("extract.forward_features"):
             hidden, idx, logp, lse, ok = forward_features(
-                model, ids.to(dev, non_blocking=True), att.to(dev, non_blocking=True), ns, self.layer_ids,
-                self.layout.topk, self.cfg.logit_chunk)
+                model, ids.to(dev, non_blocking=True), ns, self.layer_ids, self.layout.topk, self.cfg.logit_chunk)
             feats = st.encode_features(self.layout.precision, hidden, idx, logp, lse)
         event, ok_host = None, ok
         for name, t in feats.items():  # copy_ would broadcast a wrong layer count silently

@@ -89,21 +89,32 @@ def logit_features(last: torch.Tensor, head: torch.Tensor, topk: int, chunk: int
 
 
 @torch.no_grad()
-def forward_features(model, ids: torch.Tensor, att: torch.Tensor, lengths: list[int],
-                     layer_ids: list[int], topk: int, logit_chunk: int = 2048):
-    """Returns packed (T, L, H) hidden states, top-k ids and log-probs (T, K), lse (T,), and a
-    per-sample finite flag (B,): all on the model's device, no host sync inside."""
+def forward_features(model, ids: torch.Tensor, lengths: list[int], layer_ids: list[int], topk: int,
+                     logit_chunk: int = 2048):
+    """ids: (B, S), sample b's lengths[b] tokens first, then padding (pad_batch). Returns packed
+    (T, L, H) hidden states, top-k ids and log-probs (T, K), lse (T,), and a per-sample finite flag
+    (B,): all on the model's device, no host sync inside.
+
+    No attention mask is given to the model: with right padding every real token precedes the
+    pads, so causal attention and the causal convolution and recurrence of the linear-attention
+    layers never let it see one (exact, and checked against one sample at a time in the tests).
+    The model's own mask handling would cost a device wait per forward (it asks whether the mask
+    is all ones) and, for the full-attention layers, a masked attention kernel instead of the
+    causal one."""
     device = ids.device
     B, S = ids.shape
+    if len(lengths) != B or max(lengths) > S:
+        raise ValueError(f"lengths {lengths} do not fit a batch of shape {tuple(ids.shape)}")
     idx = valid_index(lengths, S).to(device, non_blocking=True)
     with capture_layers(model, layer_ids) as got:
-        out = model.model(input_ids=ids, attention_mask=att, use_cache=False)
+        out = model.model(input_ids=ids, use_cache=False)
     hidden = torch.stack([got[i].reshape(B * S, -1).index_select(0, idx) for i in layer_ids], dim=1)
     last = out.last_hidden_state.reshape(B * S, -1).index_select(0, idx)
     inds, vals, lse = logit_features(last, model.lm_head.weight, topk, logit_chunk)
     # One flag per sample: every hidden value and the lse finite.
     tok_ok = torch.isfinite(hidden).flatten(1).all(dim=1) & torch.isfinite(lse)
-    seg = torch.repeat_interleave(torch.arange(B, device=device),
-                                  torch.tensor(lengths, device=device))
+    # built on the host: repeat_interleave on the device, or torch.tensor(..., device=), waits for the
+    # device (a sync per batch that leaves it idle while the host prepares the next one)
+    seg = torch.repeat_interleave(torch.arange(B), torch.tensor(lengths)).to(device, non_blocking=True)
     bad = torch.zeros(B, device=device).index_add_(0, seg, (~tok_ok).float())
     return hidden, inds, vals, lse, bad == 0

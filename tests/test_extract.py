@@ -47,8 +47,8 @@ def test_round_trip_equals_target_output_bf16_exact(tiny, reference):
         sample = s.read(i)
         # one sample per forward, padded as the worker pads it (to itself by default)
         n = len(sample.input_ids)
-        ids, att = pad_batch([sample.input_ids], 0, bucket_length(n, 0, 1024))
-        hidden, idx, logp, lse, ok = forward_features(model, ids, att, [n], layer_ids, topk=8)
+        ids, _ = pad_batch([sample.input_ids], 0, bucket_length(n, 0, 1024))
+        hidden, idx, logp, lse, ok = forward_features(model, ids, [n], layer_ids, topk=8)
         assert torch.equal(sample.hidden.view(torch.int16), hidden.bfloat16().view(torch.int16))
         assert torch.equal(sample.topk_idx, idx)
         assert torch.equal(sample.lse, lse)
@@ -256,7 +256,7 @@ def test_plain_qwen3_target(tiny, tmp_path):
     model = load_target(path, torch.device("cpu"), torch.float32)
     x = s.read(4)
     ids = x.input_ids[None]
-    hidden, *_ = forward_features(model, ids, torch.ones_like(ids), [ids.shape[1]], [0, 2], topk=8)
+    hidden, *_ = forward_features(model, ids, [ids.shape[1]], [0, 2], topk=8)
     assert torch.equal(x.hidden.view(torch.int16), hidden.bfloat16().view(torch.int16))
 
 

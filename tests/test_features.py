@@ -33,7 +33,7 @@ def test_layer_ids_follow_hf_hidden_states_plus_one(tiny):
     torch.manual_seed(0)
     ids = torch.randint(0, 500, (1, 37))
     ref = model(ids, output_hidden_states=True).hidden_states
-    hidden, *_ = forward_features(model, ids, torch.ones_like(ids), [37], [0, 1, 2], topk=4)
+    hidden, *_ = forward_features(model, ids, [37], [0, 1, 2], topk=4)
     for j, layer in enumerate([0, 1, 2]):  # the last layer's HF entry is post-norm: not compared
         torch.testing.assert_close(hidden[:, j], ref[layer + 1][0], rtol=1e-5, atol=1e-5)
 
@@ -42,7 +42,7 @@ def test_topk_and_lse_against_full_logits(tiny):
     model = _model(tiny)
     ids = torch.randint(0, 500, (1, 50))
     logits = model(ids).logits[0].float()
-    _, idx, logp, lse, ok = forward_features(model, ids, torch.ones_like(ids), [50], [1], topk=5, logit_chunk=16)
+    _, idx, logp, lse, ok = forward_features(model, ids, [50], [1], topk=5, logit_chunk=16)
     torch.testing.assert_close(lse, torch.logsumexp(logits, -1), rtol=1e-5, atol=1e-5)
     ref_v, ref_i = (logits.log_softmax(-1)).topk(5, dim=-1)
     assert torch.equal(idx, ref_i)
@@ -55,13 +55,13 @@ def test_batched_with_padding_equals_one_at_a_time(tiny):
     model = _model(tiny)
     torch.manual_seed(1)
     seqs = [torch.randint(0, 500, (n,)) for n in (41, 7, 64, 23)]
-    ids, att = pad_batch(seqs, pad_id=0, length=80)  # a bucketed length: 16 more pad columns
+    ids, _ = pad_batch(seqs, pad_id=0, length=80)  # a bucketed length: 16 more pad columns
     layers = [0, 1, 3]
-    hb, ib, lb, eb, _ = forward_features(model, ids, att, [len(s) for s in seqs], layers, topk=4)
+    hb, ib, lb, eb, _ = forward_features(model, ids, [len(s) for s in seqs], layers, topk=4)
     pos = 0
     for s in seqs:
         n = len(s)
-        hs, is_, ls, es, _ = forward_features(model, s[None], torch.ones(1, n, dtype=torch.long), [n], layers, topk=4)
+        hs, is_, ls, es, _ = forward_features(model, s[None], [n], layers, topk=4)
         # fp32 compute: batched matmuls sum in another order, so errors scale with the layer's
         # magnitude (not each value's); far below one bf16 ulp, so stored bf16 values agree too.
         scale = hs.abs().amax()
@@ -78,7 +78,7 @@ def test_batched_with_padding_equals_one_at_a_time(tiny):
 def test_nan_features_flag_the_sample(tiny):
     model = _model(tiny)
     seqs = [torch.randint(0, 500, (n,)) for n in (10, 12)]
-    ids, att = pad_batch(seqs, 0)
+    ids, _ = pad_batch(seqs, 0)
     layer = model.model.layers[1]
 
     def poison(_m, _i, out):  # in place, returning None so the output object is kept
@@ -86,7 +86,7 @@ def test_nan_features_flag_the_sample(tiny):
 
     h = layer.register_forward_hook(poison)
     try:
-        *_, ok = forward_features(model, ids, att, [10, 12], [1], topk=2)
+        *_, ok = forward_features(model, ids, [10, 12], [1], topk=2)
     finally:
         h.remove()
     assert ok.tolist() == [True, False]

@@ -117,7 +117,7 @@ def test_offline_estimate_equals_real_acceptance(tiny, target, tmp_path):
     full = torch.tensor([list(p) + ref.tokens])
     S = full.shape[1]
     with torch.no_grad():
-        hidden, idx, _, _, _ = forward_features(target, full, torch.ones_like(full), [S], [0, 1, 3], topk=1)
+        hidden, idx, _, _, _ = forward_features(target, full, [S], [0, 1, 3], topk=1)
     batch = {"hidden": hidden.reshape(1, S, -1), "input_ids": full, "loss_mask": torch.ones(1, S, dtype=torch.bool),
              "doc": torch.zeros(1, S, dtype=torch.long), "argmax": idx[:, 0][None]}
     opt = torch.optim.Adam(drafter.parameters(), lr=3e-3)

@@ -29,7 +29,7 @@ class OnlineFeatures:
                     continue
                 pos = torch.nonzero(doc[b] == d).flatten()
                 x = ids[b, pos][None]
-                h, *_ = forward_features(self.model, x, torch.ones_like(x), [x.shape[1]], self.layer_ids, topk=1)
+                h, *_ = forward_features(self.model, x, [x.shape[1]], self.layer_ids, topk=1)
                 out[b, pos] = h.reshape(len(pos), -1).to(torch.bfloat16)
         batch = {k: v for k, v in batch.items() if k != "hidden_scale"}
         batch["hidden"] = out
