@@ -114,6 +114,37 @@ def read_rates(gib: float = 1.0):
         for _ in range(3):
             np.copyto(dst, a)
         print(f"one core copying out of {name} memory: {3 * n / (time.perf_counter() - t0) / 1e9:.2f} GB/s", flush=True)
+    # registered memory must be unregistered before its mapping goes: a later mapping at the same
+    # address fails to register ("resource already mapped")
+    torch.cuda.cudart().cudaHostUnregister(shared.data_ptr())
+
+
+def copy_rates(gib: float = 1.0):
+    """The device copying into pageable, pinned and registered shared host memory with
+    non_blocking=True, as the worker copies features: how long the call holds the host (a copy the
+    driver cannot do asynchronously returns only when done) and the rate to completion."""
+    import mmap
+    import torch
+    n = int(gib * 2 ** 30)
+    src = torch.ones(n, dtype=torch.uint8, device="cuda")
+    fd = os.memfd_create("copy-rate")
+    os.ftruncate(fd, n)
+    shared = torch.frombuffer(mmap.mmap(fd, n), dtype=torch.uint8)
+    torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(shared.data_ptr(), n, 0))
+    for name, dst in (("pageable", torch.empty(n, dtype=torch.uint8)),
+                      ("pinned (cudaHostAlloc)", torch.empty(n, dtype=torch.uint8, pin_memory=True)),
+                      ("shared memfd, registered (the pool)", shared)):
+        dst.copy_(src, non_blocking=True)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for k in range(4):  # slices, as the worker copies sample by sample
+            dst[k * n // 4:(k + 1) * n // 4].copy_(src[k * n // 4:(k + 1) * n // 4], non_blocking=True)
+        held = time.perf_counter() - t0
+        torch.cuda.synchronize()
+        done = time.perf_counter() - t0
+        print(f"device -> {name} memory (is_pinned {dst.is_pinned()}): {n / done / 1e9:.1f} GB/s, the host held "
+              f"{held / done:.0%} of that time", flush=True)
+    torch.cuda.cudart().cudaHostUnregister(shared.data_ptr())
 
 
 def main():
@@ -157,6 +188,7 @@ def main():
     kinds = [f"t{x}" for x in a.threads.split(",")] if a.threads else a.writers.split(",")
     if a.pin:
         read_rates()
+        copy_rates()
     print(f"{'writers':>8s}{'raw GB/s':>10s}{'cores busy':>12s}{'GB/s per core':>15s}{'disk GB/s':>11s}"
           f"{'read GB/s':>11s}{'read cores':>12s}{'s/unit write':>14s}")
     for kind in kinds:
