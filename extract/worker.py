@@ -145,6 +145,9 @@ class Worker:
             # one tuning per FLA kernel, not one per batch shape (shared/tuning.py)
             record = tuning.enable(torch.cuda.get_device_name(dev),
                                    getattr(model.config, "text_config", model.config).to_dict()) if cuda else None
+            if record is not None and record.seeded:
+                log(f"worker {self.rank}: shipped kernel tunings for this GPU and target shape: "
+                    f"{len(record.seeded)} kernels not tuned here ({record.folder})")
             copy_stream = torch.cuda.Stream(dev) if cuda else None
             log(f"worker {self.rank} on {dev}: {self.out.describe()}")
             for u in units:

@@ -13,6 +13,10 @@ that tuned it, so the next new size of that kernel is looked up instead of tuned
 The folder is per GPU model and per target shape (head counts and dims), so a config is never
 reused for another model's kernels; it lives beside Triton's cache (TRITON_CACHE_DIR), whose
 on-disk autotune results (TRITON_CACHE_AUTOTUNING=1) serve the kernels FLA does not look up.
+
+The repo ships the folders it has measured (shared/tuned/: the H200 with the 27B shape, whose
+6 tunings cost 47-60 s of a first run), as serving engines ship their tuned kernel configs per
+GPU: a machine with that GPU and shape starts with them instead of tuning.
 """
 
 from __future__ import annotations
@@ -29,6 +33,9 @@ _SHAPE_FIELDS = ("hidden_size", "linear_num_key_heads", "linear_num_value_heads"
                  "linear_value_head_dim", "linear_conv_kernel_dim", "num_attention_heads", "head_dim")
 
 
+SHIPPED = Path(__file__).parent / "tuned"
+
+
 def config_dir(device_name: str, target_config: dict, base: str | None = None) -> Path:
     base = base or os.environ.get("TRITON_CACHE_DIR") or str(Path.home() / ".triton" / "cache")
     shape = {k: target_config.get(k) for k in _SHAPE_FIELDS}
@@ -41,6 +48,7 @@ def enable(device_name: str, target_config: dict) -> "Recorder | None":
     """Before the first forward on a GPU. Keeps whatever the user set (FLA_CONFIG_DIR,
     FLA_CACHE_MODE=disabled to tune every key as FLA does by default). None without FLA."""
     os.environ.setdefault("TRITON_CACHE_AUTOTUNING", "1")
+    ours = "FLA_CONFIG_DIR" not in os.environ
     folder = Path(os.environ.setdefault("FLA_CONFIG_DIR", str(config_dir(device_name, target_config))))
     mode = os.environ.setdefault("FLA_CACHE_MODE", "fuzzy")
     try:
@@ -51,7 +59,24 @@ def enable(device_name: str, target_config: dict) -> "Recorder | None":
     if fla_cache.FLA_CACHE_MODE is fla_cache.FlaCacheMode.DISABLED:
         return None
     folder.mkdir(parents=True, exist_ok=True)
-    return Recorder(folder)
+    rec = Recorder(folder)
+    if ours:  # a folder the user gave is theirs to fill
+        rec.seeded = seed(folder, config_dir(device_name, target_config, str(SHIPPED)))
+    return rec
+
+
+def seed(folder: Path, shipped: Path) -> list[str]:
+    """Copies the shipped config files of this GPU and shape that folder lacks (never replacing
+    one this machine tuned); returns the kernels copied."""
+    copied = []
+    for src in sorted(shipped.glob("*.json")) if shipped.is_dir() else []:
+        dst = folder / src.name
+        if not dst.exists():
+            tmp = dst.with_name(f".{dst.name}.{os.getpid()}.tmp")  # several workers of a host may seed at once
+            tmp.write_bytes(src.read_bytes())
+            os.replace(tmp, dst)
+            copied.append(src.stem)
+    return copied
 
 
 def autotuner_of(obj):
@@ -101,6 +126,7 @@ class Recorder:
 
     def __init__(self, folder: Path, tuners: list | None = None):
         self.folder, self._given = folder, tuners
+        self.seeded: list[str] = []  # kernels whose shipped configs enable() copied in
         self._tuners, self._modules, self._seen = [], -1, {}
 
     def __call__(self) -> int:

@@ -68,3 +68,50 @@ def test_enable_keeps_what_the_user_set(tmp_path, monkeypatch):
     monkeypatch.setenv("FLA_CACHE_MODE", "disabled")
     assert tuning.enable("NVIDIA H200", {"hidden_size": 64}) is None
     assert fla_cache.FLA_CACHE_MODE is fla_cache.FlaCacheMode.DISABLED
+
+
+def test_shipped_tunings_seed_a_fresh_machine_and_never_replace_its_own(tmp_path, monkeypatch):
+    monkeypatch.setattr(fla_cache, "FLA_CACHE_MODE", fla_cache.FLA_CACHE_MODE)  # restored afterwards
+    for var in ("FLA_CONFIG_DIR", "FLA_CACHE_MODE", "TRITON_CACHE_AUTOTUNING"):
+        monkeypatch.delenv(var, raising=False)
+    shipped = tmp_path / "shipped"
+    cfg = {"hidden_size": 64}
+    src = tuning.config_dir("NVIDIA H200", cfg, str(shipped))
+    src.mkdir(parents=True)
+    for name in ("a_kernel", "b_kernel"):
+        (src / f"{name}.json").write_text(f'{{"kernel_name": "{name}", "autotune_entries": {{}}}}')
+    monkeypatch.setattr(tuning, "SHIPPED", shipped)
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "machine"))
+    mine = tuning.config_dir("NVIDIA H200", cfg)
+    mine.mkdir(parents=True)
+    (mine / "b_kernel.json").write_text("tuned here")
+    rec = tuning.enable("NVIDIA H200", cfg)
+    assert rec.folder == mine and rec.seeded == ["a_kernel"]
+    assert (mine / "a_kernel.json").read_text() == (src / "a_kernel.json").read_text()
+    assert (mine / "b_kernel.json").read_text() == "tuned here"
+    # another GPU gets nothing shipped for this one
+    monkeypatch.delenv("FLA_CONFIG_DIR")
+    other = tuning.enable("NVIDIA H100 80GB HBM3", cfg).folder
+    assert other != mine and not list(other.iterdir())
+    # a folder the user chose is left as it is
+    user = tmp_path / "user"
+    monkeypatch.setenv("FLA_CONFIG_DIR", str(user))
+    assert tuning.enable("NVIDIA H200", cfg).folder == user and not list(user.iterdir())
+
+
+def test_shipped_tunings_are_fla_config_files_for_the_27b_shape():
+    from transformers import Qwen3_5TextConfig
+    shape = dict(hidden_size=5120, num_attention_heads=24, head_dim=256, linear_num_key_heads=16,
+                 linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128,
+                 linear_conv_kernel_dim=4)
+    folder = tuning.config_dir("NVIDIA H200", Qwen3_5TextConfig(**shape).to_dict(), str(tuning.SHIPPED))
+    files = sorted(folder.glob("*.json"))
+    assert [f.stem for f in files] == sorted(["chunk_fwd_kernel_o", "chunk_gated_delta_rule_fwd_kernel_h_blockdim64",
+                                             "chunk_gated_delta_rule_fwd_kkt_solve_kernel",
+                                             "chunk_local_cumsum_scalar_kernel", "l2norm_fwd_kernel",
+                                             "recompute_w_u_fwd_kernel"])
+    for f in files:
+        parsed = fla_cache.KernelConfigFile.from_file(f)
+        assert parsed is not None and parsed.kernel_name == f.stem and parsed.autotune_entries
+        for entry in parsed.autotune_entries.values():
+            assert "num_warps" in entry["config"] and entry["autotune_key"]
