@@ -140,3 +140,33 @@ def test_bucketed_batches_cover_every_sample_with_few_shapes():
         assert len(shapes) < len(set(lengths)) / 5, (len(shapes), len(set(lengths)))
     exact = {S for _, S in plan_batches(items, 16384, 64, 0)}
     assert exact <= set(lengths)  # 0 buckets: each batch padded to its own longest sample
+
+
+def test_models_get_no_masks_only_when_every_layer_is_causal(tiny):
+    from types import SimpleNamespace
+
+    from shared.features import _causal_masks
+    model = _model(tiny)
+    assert _causal_masks(model) == {"linear_attention": None, "full_attention": None}
+    sliding = SimpleNamespace(config=SimpleNamespace(layer_types=["sliding_attention", "full_attention"]))
+    assert _causal_masks(sliding) is None  # the model builds its window masks itself
+    assert _causal_masks(SimpleNamespace(config=SimpleNamespace())) is None
+
+
+def test_unmasked_batch_equals_the_model_with_its_own_padding_mask(tiny):
+    """The reference: transformers' forward of the same padded batch with the 2D padding mask."""
+    model = _model(tiny)
+    torch.manual_seed(2)
+    seqs = [torch.randint(0, 500, (n,)) for n in (30, 9, 48)]
+    ids, att = pad_batch(seqs, pad_id=0, length=64)
+    layers = [0, 2, 3]  # 3: the full-attention layer
+    hidden, *_ = forward_features(model, ids, [len(s) for s in seqs], layers, topk=4)
+    with torch.no_grad():
+        ref = model.model(input_ids=ids, attention_mask=att, output_hidden_states=True).hidden_states
+        hidden[:, 2] = model.model.norm(hidden[:, 2])  # the last of hidden_states is after the final norm
+    pos = 0
+    for b, s in enumerate(seqs):
+        n = len(s)
+        want = torch.stack([ref[i + 1][b, :n] for i in layers], dim=1)
+        torch.testing.assert_close(hidden[pos:pos + n], want, rtol=1e-4, atol=1e-5 * want.abs().amax())
+        pos += n
