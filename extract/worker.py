@@ -205,7 +205,9 @@ class Worker:
             if copy_stream is not None:
                 ok_host = torch.empty(ok.shape, dtype=torch.bool, pin_memory=True)
                 ok_host.copy_(ok, non_blocking=True)
-                event = torch.cuda.Event()
+                # blocking: the collector sleeps while it waits instead of spinning a core (CUDA's
+                # default), which on a host of hyperthreads may be the forward's thread's sibling
+                event = torch.cuda.Event(blocking=True)
                 event.record(copy_stream)
         placements = [(buf, b, s, lo, n, {"file": int(files[s]), "row": int(rows[s])})
                       for b, (s, lo, n) in enumerate(batch)]
