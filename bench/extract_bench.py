@@ -124,7 +124,12 @@ def sync_check(w: Worker, model, planned: st.Store, index) -> dict[str, int]:
     torch.cuda.synchronize()
     pool.close()
     found: dict[str, int] = {}
+    import inspect
+    lines, first = inspect.getsourcelines(torch.cuda.set_sync_debug_mode)
+    own = range(first, first + len(lines))  # switching the mode off reports itself: not the worker's
     for c in caught:
+        if c.filename == torch.cuda.__file__ and c.lineno in own:
+            continue
         if "synchroniz" in str(c.message):
             key = f"{Path(c.filename).parent.name}/{Path(c.filename).name}:{c.lineno}"
             found[key] = found.get(key, 0) + 1
@@ -222,10 +227,15 @@ def measure(a) -> dict:
                     last[lo:lo + cfg.logit_chunk] @ head.T
                 sync(device)
 
+    launch = [0.0]
+
     def feats():
+        launch[0] = 0.0
         with torch.no_grad():
             for ids, att, ns in tensors:
+                t0 = time.perf_counter()
                 forward_features(model, ids, ns, layer_ids, 16, cfg.logit_chunk)
+                launch[0] += time.perf_counter() - t0  # the host's time to queue the batch's work
                 sync(device)
 
     if a.baseline_twice:
@@ -263,7 +273,7 @@ def measure(a) -> dict:
             "cpu_worker_s": cpu_worker, "cpu_writers_s": cpu_writers, "buffer_wait_s": w.out.pool.waited,
             "unit_queued_s": [float(np.mean(queued)), float(np.max(queued))],
             "unit_write_s": [float(np.mean(writing)), float(np.max(writing))],
-            "units": layout.n_units, "body_s": min(t_body, t_body2), "body_unmasked_s": t_unmasked, "target_s": min(t_target, t_target2),
+            "units": layout.n_units, "body_s": min(t_body, t_body2), "body_unmasked_s": t_unmasked, "launch_s": launch[0], "target_s": min(t_target, t_target2),
             "features_s": t_feat, "pipeline_gpu_s": t_gpu, "pipeline_s": t_pipe, "disk_bytes": disk,
             "raw_bytes": tokens * len(layer_ids) * tcfg.hidden_size * 2, "peak_gib": peak, "head_ms": head_ms,
             "precision": a.precision, "codec": a.codec, "layer_ids": layer_ids, "syncs": syncs}
@@ -289,6 +299,10 @@ def report(r: dict, label: str = ""):
           f"{r['raw_bytes'] / 2**30:.2f} GiB -> {r['disk_bytes'] / 2**30:.2f} GiB on disk "
           f"({r['raw_bytes'] / r['disk_bytes']:.3f}x); raw feature rate at target-forward speed "
           f"{r['raw_bytes'] / r['target_s'] / 1e9:.2f} GB/s; peak GPU memory {r['peak_gib']:.1f} GiB")
+    if "launch_s" in r:
+        print(f"the host took {r['launch_s']:.2f} s of the {r['features_s']:.2f} s of forward+features to queue its "
+              f"work ({r['launch_s'] / r['features_s']:.0%}: near 100% the forward is the host's speed, and any "
+              f"other load on the host slows it)")
     if "cpu_worker_s" in r:
         cw, cp = r["cpu_worker_s"], r["cpu_writers_s"]
         print(f"host CPU during the pipeline: {(cw + cp) / r['pipeline_s']:.1f} cores busy (worker process "
