@@ -80,6 +80,13 @@ tar czf "$OUT/fla-configs.tgz" -C /tmp/td/0 fla-configs   # the tunings this mac
 timeout 240 $X --tokens 1000000 --runs 0:warm --json "$OUT/extract_chat_1m.json"; pkill -f extract_bench.py
 fi
 
+if run e; then
+echo "== e. first run with the shipped tunings (expect 0 autotunings), device waits, host launch share; then warm 1M =="
+X="python bench/extract_bench.py --shape 27b --layers 16 --lengths chat --once --cache /tmp/te"
+timeout 170 $X --tokens 100000 --runs 0:cold --json "$OUT/extract_chat_cold.json"; pkill -f extract_bench.py
+timeout 240 $X --tokens 1000000 --runs 0:warm --json "$OUT/extract_chat_1m.json"; pkill -f extract_bench.py
+fi
+
 if run a; then
 echo "== a. loader rows/s from a local S3 server (SeaweedFS on this host) vs the local disk, 27B drafter shapes =="
 python bench/train_bench.py --sections loader --loader-samples 6 --workers 12 --step-ms 341 --loader-where local,s3 \
