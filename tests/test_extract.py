@@ -115,6 +115,26 @@ def test_writer_processes_write_the_same_store(tiny, reference, tmp_path):
     assert isinstance(w.error, RuntimeError) and "unit 1000000" in str(w.error)
 
 
+def test_a_shared_pool_that_does_not_fit_is_a_clear_error(tiny, reference, monkeypatch):
+    import errno
+    import os
+
+    from extract.writers import UnitPool
+    opened = []
+    real_memfd = os.memfd_create
+    monkeypatch.setattr(os, "memfd_create", lambda *a: opened.append(real_memfd(*a)) or opened[-1])
+
+    def full(fd, off, n):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(OSError, match=r"3 unit buffers of .* GiB do not fit in memory .*fewer --writers") as e:
+        UnitPool(st.Store(reference[0]).layout, 3, pin=False, shared=True)
+    assert e.value.errno == errno.ENOMEM  # not ENOSPC: the run would report a full disk
+    with pytest.raises(OSError):  # the memory file was closed, not leaked
+        os.fstat(opened[0])
+
+
 @pytest.mark.parametrize("kw", [dict(), dict(buckets_per_octave=8), dict(buckets_per_octave=8, pow2_batch=True)],
                          ids=["exact-lengths", "buckets", "buckets+pow2"])
 def test_batched_store_matches_single_to_bf16_rounding(tiny, reference, tmp_path, kw):
