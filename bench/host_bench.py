@@ -204,12 +204,18 @@ def main():
         w = st.StoreWriter(store)
         if layout.precision == "fp8":
             raise SystemExit("fp8: give --precision bf16 (the goal is stated for raw bf16 features)")
+        t0 = time.perf_counter()
         out = UnitWriters(store, layout, W, procs, extra=0, pin=a.pin, clear=False)
+        made = time.perf_counter() - t0
         bufs = [out.pool.get(-1, 1, S) for _ in range(out.pool.size)]
+        t0 = time.perf_counter()
         for i, b in enumerate(bufs):  # each buffer filled once, with one of the template units
             for name, arr in b.numpy().items():
                 arr[:] = template[i % len(template)][name]
             out.pool.put(b, zero=False)
+        gib = out.pool.size * out.pool.slot_bytes / 2 ** 30
+        print(f"{kind}: {out.describe()} made in {made:.2f} s ({gib / made:.1f} GiB/s), first filled in "
+              f"{time.perf_counter() - t0:.2f} s", flush=True)
         out.wait_ready()  # the writer processes' start is not part of the rate
 
         def read(u):

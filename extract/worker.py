@@ -102,6 +102,7 @@ class Worker:
         self.collect_q: queue.Queue = queue.Queue()
         self.out: UnitWriters | None = None  # made in run(): processes start there, not on construction
         self.gpu_done_at = 0.0  # when the last batch's features reached the host (benchmarks)
+        self.first_forward_at = 0.0  # when the first batch started: setup (buffers, processes) is before it
 
     @property
     def error(self) -> BaseException | None:
@@ -178,6 +179,7 @@ class Worker:
 
     def _batch(self, model, buf: UnitBuffer, batch, padded: int, unit_ids, files, rows, copy_stream):
         dev = self.device
+        self.first_forward_at = self.first_forward_at or time.time()
         with record_function("extract.prepare_batch"):
             seqs = [torch.from_numpy(unit_ids[lo:lo + n].astype(np.int64)) for _, lo, n in batch]
             ids, _ = pad_batch(seqs, self.pad_id, padded)
