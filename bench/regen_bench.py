@@ -61,10 +61,8 @@ def main():
         print(f"tiny target on {device}, {a.max_new} new tokens at most")
         res["tiny"] = measure(eng, prompts, batches, device)
     if a.shape:
-        from shared.target import load_tokenizer
         model = random_target(target_27b_config(), device, torch.bfloat16)
         cfg = RegenConfig(data="-", out="-", target="in-memory", max_new_tokens=a.max_new, progress=False)
-        tok = load_tokenizer(a.tiny) if a.tiny else None
         eng = LocalEngine.__new__(LocalEngine)  # the engine's generate path, a model built in memory
         eng.torch, eng.cfg, eng.device, eng.model = torch, cfg, device, model
         eng.eot, eng.pad = 248_319, 0  # random weights: an end of turn is as likely as any token (rare)

@@ -14,7 +14,7 @@ from train.loss import accepted_per_block, slot_targets
 from train.model import DFlashDrafter
 
 
-def exported(drafter: DFlashDrafter, path) -> "DFlashDraftModel":  # noqa: F821
+def exported(drafter: DFlashDrafter, path) -> torch.nn.Module:
     """The trainer's drafter as evaluation loads it: exported (bf16), then read back through the
     export's own modeling file. Weights are rounded to bf16 first so both hold the same values."""
     for p in drafter.parameters():
