@@ -275,7 +275,7 @@ def measure(a) -> dict:
             "unit_queued_s": [float(np.mean(queued)), float(np.max(queued))],
             "unit_write_s": [float(np.mean(writing)), float(np.max(writing))],
             "units": layout.n_units, "body_s": min(t_body, t_body2), "body_unmasked_s": t_unmasked, "launch_s": launch[0], "target_s": min(t_target, t_target2),
-            "features_s": t_feat, "pipeline_gpu_s": t_gpu, "setup_s": t_setup, "pipeline_s": t_pipe, "disk_bytes": disk,
+            "features_s": t_feat, "pipeline_gpu_s": t_gpu, "setup_s": t_setup, "close_s": w.out.close_s, "pipeline_s": t_pipe, "disk_bytes": disk,
             "raw_bytes": tokens * len(layer_ids) * tcfg.hidden_size * 2, "peak_gib": peak, "head_ms": head_ms,
             "precision": a.precision, "codec": a.codec, "layer_ids": layer_ids, "syncs": syncs}
 
@@ -301,6 +301,10 @@ def report(r: dict, label: str = ""):
               f"{r['setup_s']:.2f} s; the GPU side from the first forward {t:.2f} s = {r['target_s'] / t:.3f} of the "
               f"target forward")
     drain = r["pipeline_s"] - r["pipeline_gpu_s"]
+    if r.get("close_s"):
+        c = r["close_s"]
+        print(f"closing the writers: last writes {c['writes']:.2f} s, writer processes' exit {c['processes']:.2f} s, "
+              f"unit buffers unpinned and freed {c['buffers']:.2f} s")
     print(f"final drain {drain:.2f} s = {drain / r['pipeline_s']:.1%} of the pipeline; raw bf16 features "
           f"{r['raw_bytes'] / 2**30:.2f} GiB -> {r['disk_bytes'] / 2**30:.2f} GiB on disk "
           f"({r['raw_bytes'] / r['disk_bytes']:.3f}x); raw feature rate at target-forward speed "
