@@ -8,7 +8,8 @@
 
 Rows (all over the batches the worker itself plans: bucketed lengths, same sizes):
   body forward          model.model(ids, attention_mask) only (no LM head)
-  body, no mask         the same without the mask, as forward_features calls it (exact for right padding)
+  body, no mask         the same with the per-layer-type "none" masks forward_features gives (exact for
+                        right padding)
   target forward        the body plus the LM head's logits for every real token (what a causal LM's
                         forward computes; chunked), no top-k: the baseline the ratios use
   forward+features      the worker's forward_features: hooks, pad removal, LM head, top-k, lse
@@ -27,6 +28,7 @@ baselines run after it, warm.
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import re
@@ -35,6 +37,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -47,7 +51,7 @@ from extract.plan import assign_units, by_length, write_plan
 from extract.worker import Worker, plan_batches
 from shared import store as st
 from shared.data import Encoded
-from shared.features import forward_features, logit_features, pad_batch, valid_index
+from shared.features import causal_masks, forward_features, logit_features, pad_batch, valid_index
 from shared.progress import log
 from shared.target import default_layer_ids
 from shared.tiny import tiny_config
@@ -101,7 +105,6 @@ def sync_check(w: Worker, model, planned: st.Store, index) -> dict[str, int]:
     """One real batch through the worker's own batch step (forward, features, copies into a pinned
     shared unit buffer) with CUDA's sync debug mode on: where the host waited for the device, as
     {file:line: count}. A wait leaves the device idle while the host prepares what comes next."""
-    import warnings
     from extract.writers import UnitPool
     S = planned.layout.shard_tokens
     members = st.samples_by_unit(index["offset"], S, planned.layout.n_units)[0]
@@ -123,19 +126,13 @@ def sync_check(w: Worker, model, planned: st.Store, index) -> dict[str, int]:
             torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
     pool.close()
-    found: dict[str, int] = {}
-    import inspect
     lines, first = inspect.getsourcelines(torch.cuda.set_sync_debug_mode)
     own = range(first, first + len(lines))  # switching the mode off reports itself: not the worker's
-    for c in caught:
-        if c.filename == torch.cuda.__file__ and c.lineno in own:
-            continue
-        if "synchroniz" in str(c.message):
-            key = f"{Path(c.filename).parent.name}/{Path(c.filename).name}:{c.lineno}"
-            found[key] = found.get(key, 0) + 1
+    found = Counter(f"{Path(c.filename).parent.name}/{Path(c.filename).name}:{c.lineno}" for c in caught
+                    if "synchroniz" in str(c.message) and not (c.filename == torch.cuda.__file__ and c.lineno in own))
     while not w.collect_q.empty():
         w.collect_q.get()
-    return found
+    return dict(found)
 
 
 def measure(a) -> dict:
@@ -216,7 +213,7 @@ def measure(a) -> dict:
     def body_unmasked():  # as forward_features calls it: right padding needs no mask (shared/features.py)
         with torch.no_grad():
             for ids, _, _ in tensors:
-                model.model(input_ids=ids, use_cache=False)
+                model.model(input_ids=ids, attention_mask=causal_masks(model), use_cache=False)
                 sync(device)
 
     def target():
@@ -245,8 +242,8 @@ def measure(a) -> dict:
     t_unmasked = timed(body_unmasked, device)
     log(f"body {t_body:.1f} s, target forward {t_target:.1f} s, forward+features {t_feat:.1f} s "
         f"over {len(tensors)} batches of {len(shapes)} shapes")
-    t_body2, t_target2 = ((timed(body, device), timed(target, device)) if a.baseline_twice  # drift between first
-                          else (t_body, t_target))                                      # and last
+    if a.baseline_twice:  # the best of two: drift between the first and the last timing
+        t_body, t_target = min(t_body, timed(body, device)), min(t_target, timed(target, device))
 
     # 3. the LM head alone on one chunk: matmul, the old float32 top-k/lse, the new path
     head_ms = {}
@@ -274,8 +271,9 @@ def measure(a) -> dict:
             "cpu_worker_s": cpu_worker, "cpu_writers_s": cpu_writers, "buffer_wait_s": w.out.pool.waited,
             "unit_queued_s": [float(np.mean(queued)), float(np.max(queued))],
             "unit_write_s": [float(np.mean(writing)), float(np.max(writing))],
-            "units": layout.n_units, "body_s": min(t_body, t_body2), "body_unmasked_s": t_unmasked, "launch_s": launch[0], "target_s": min(t_target, t_target2),
-            "features_s": t_feat, "pipeline_gpu_s": t_gpu, "setup_s": t_setup, "close_s": w.out.close_s, "pipeline_s": t_pipe, "disk_bytes": disk,
+            "units": layout.n_units, "body_s": t_body, "body_unmasked_s": t_unmasked, "launch_s": launch[0],
+            "target_s": t_target, "features_s": t_feat, "pipeline_gpu_s": t_gpu, "setup_s": t_setup,
+            "close_s": w.out.close_s, "pipeline_s": t_pipe, "disk_bytes": disk,
             "raw_bytes": tokens * len(layer_ids) * tcfg.hidden_size * 2, "peak_gib": peak, "head_ms": head_ms,
             "precision": a.precision, "codec": a.codec, "layer_ids": layer_ids, "syncs": syncs}
 

@@ -92,13 +92,13 @@ def logit_features(last: torch.Tensor, head: torch.Tensor, topk: int, chunk: int
 _CAUSAL_TYPES = {"full_attention", "linear_attention"}
 
 
-def _causal_masks(model) -> dict[str, None] | None:
+def causal_masks(model) -> dict[str, None] | None:
     """The per-layer-type masks transformers' decoders accept in place of a 2D mask, all None
     (causal attention, no masking), when every layer is causal; else None, and the model builds
     the masks it needs (sliding windows) itself."""
-    types = set(getattr(getattr(model, "config", None), "layer_types", None) or ())
-    text = getattr(model.config, "text_config", None)
-    types |= set(getattr(text, "layer_types", None) or ())
+    cfg = model.config
+    types = {*(getattr(cfg, "layer_types", None) or ()),
+             *(getattr(getattr(cfg, "text_config", None), "layer_types", None) or ())}
     return {t: None for t in types} if types and types <= _CAUSAL_TYPES else None
 
 
@@ -115,14 +115,14 @@ def forward_features(model, ids: torch.Tensor, lengths: list[int], layer_ids: li
     A padding mask would cost a device wait per forward (the model asks whether it is all ones)
     and, for the full-attention layers, a masked attention kernel instead of the causal one; even
     without one, the model asks its position ids whether the batch is packed (another wait) unless
-    it is handed its per-layer-type masks, here "none" for causal layers (_causal_masks)."""
+    it is handed its per-layer-type masks, here "none" for causal layers (causal_masks)."""
     device = ids.device
     B, S = ids.shape
     if len(lengths) != B or max(lengths) > S:
         raise ValueError(f"lengths {lengths} do not fit a batch of shape {tuple(ids.shape)}")
     idx = valid_index(lengths, S).to(device, non_blocking=True)
     with capture_layers(model, layer_ids) as got:
-        out = model.model(input_ids=ids, attention_mask=_causal_masks(model), use_cache=False)
+        out = model.model(input_ids=ids, attention_mask=causal_masks(model), use_cache=False)
     hidden = torch.stack([got[i].reshape(B * S, -1).index_select(0, idx) for i in layer_ids], dim=1)
     last = out.last_hidden_state.reshape(B * S, -1).index_select(0, idx)
     inds, vals, lse = logit_features(last, model.lm_head.weight, topk, logit_chunk)

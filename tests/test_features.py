@@ -145,12 +145,12 @@ def test_bucketed_batches_cover_every_sample_with_few_shapes():
 def test_models_get_no_masks_only_when_every_layer_is_causal(tiny):
     from types import SimpleNamespace
 
-    from shared.features import _causal_masks
+    from shared.features import causal_masks
     model = _model(tiny)
-    assert _causal_masks(model) == {"linear_attention": None, "full_attention": None}
+    assert causal_masks(model) == {"linear_attention": None, "full_attention": None}
     sliding = SimpleNamespace(config=SimpleNamespace(layer_types=["sliding_attention", "full_attention"]))
-    assert _causal_masks(sliding) is None  # the model builds its window masks itself
-    assert _causal_masks(SimpleNamespace(config=SimpleNamespace())) is None
+    assert causal_masks(sliding) is None  # the model builds its window masks itself
+    assert causal_masks(SimpleNamespace(config=SimpleNamespace())) is None
 
 
 def test_unmasked_batch_equals_the_model_with_its_own_padding_mask(tiny):
