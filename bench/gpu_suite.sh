@@ -62,28 +62,21 @@ python bench/extract_bench.py --shape 27b --layers 16 --lengths chat --tokens 30
 fi
 
 if run c; then
-echo "== c. the pipeline's GPU side: host waits, profile, processes vs threads; D2H into each kind of host memory =="
+echo "== c. the pipeline's GPU side: host waits, processes vs threads; D2H into each kind of host memory (b profiles) =="
 # (timeout stops the parent only: pkill stops a child left on the GPU)
 X="python bench/extract_bench.py --shape 27b --layers 16 --lengths chat --once --cache /tmp/tc"
 timeout 190 $X --tokens 100000 --runs 0:cold --json "$OUT/extract_chat_cold.json"; pkill -f extract_bench.py
 tar czf "$OUT/fla-configs.tgz" -C /tmp/tc/0 fla-configs   # the tunings this machine made
-timeout 190 $X --tokens 600000 --runs 0:warm --profile --json "$OUT/extract_chat_procs.json"; pkill -f extract_bench.py
+timeout 190 $X --tokens 600000 --runs 0:warm --json "$OUT/extract_chat_procs.json"; pkill -f extract_bench.py
 timeout 160 $X --tokens 600000 --runs 0:warm --writer-procs off --json "$OUT/extract_chat_threads.json"; pkill -f extract_bench.py
 timeout 50 python bench/host_bench.py --writers p7 --units 4 --dir /tmp/hbench --pin --json "$OUT/host_pinned.json"
-fi
-
-if run d; then
-echo "== d. a chat mix through the whole pipeline, writer processes, after the mask and sync changes =="
-X="python bench/extract_bench.py --shape 27b --layers 16 --lengths chat --once --cache /tmp/td"
-timeout 170 $X --tokens 100000 --runs 0:cold --json "$OUT/extract_chat_cold.json"; pkill -f extract_bench.py
-tar czf "$OUT/fla-configs.tgz" -C /tmp/td/0 fla-configs   # the tunings this machine made
-timeout 240 $X --tokens 1000000 --runs 0:warm --json "$OUT/extract_chat_1m.json"; pkill -f extract_bench.py
 fi
 
 if run e; then
 echo "== e. first run with the shipped tunings (expect 0 autotunings), device waits, host launch share; then warm 1M =="
 X="python bench/extract_bench.py --shape 27b --layers 16 --lengths chat --once --cache /tmp/te"
 timeout 170 $X --tokens 100000 --runs 0:cold --json "$OUT/extract_chat_cold.json"; pkill -f extract_bench.py
+tar czf "$OUT/fla-configs.tgz" -C /tmp/te/0 fla-configs   # the tunings this machine holds after the run
 timeout 240 $X --tokens 1000000 --runs 0:warm --json "$OUT/extract_chat_1m.json"; pkill -f extract_bench.py
 fi
 

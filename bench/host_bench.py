@@ -16,7 +16,9 @@ wall time.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import mmap
 import os
 import queue
 import resource
@@ -93,58 +95,64 @@ def on_threads(W: int, n_units: int, fn) -> tuple[float, float]:
     return time.perf_counter() - t0, cpu_seconds() - c0
 
 
+@contextlib.contextmanager
+def registered_memory(n: int):
+    """n bytes of a shared memory file, registered with CUDA as the writer processes' pool is
+    (extract/writers.py), as a uint8 tensor; unregistered on exit: a later mapping at the same
+    address would fail to register ("resource already mapped")."""
+    import torch
+    fd = os.memfd_create("host-bench")
+    os.ftruncate(fd, n)
+    shared = torch.frombuffer(mmap.mmap(fd, n), dtype=torch.uint8)
+    torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(shared.data_ptr(), n, 0))
+    try:
+        yield shared
+    finally:
+        torch.cuda.cudart().cudaHostUnregister(shared.data_ptr())
+        os.close(fd)
+
+
 def read_rates(gib: float = 1.0):
     """The CPU reading (copying out of) pinned and plain host memory: writers read their units from
     pinned buffers, which a virtual machine may map differently from plain memory."""
     import torch
     n = int(gib * 2 ** 30)
     dst = np.empty(n, dtype=np.uint8)
-    import mmap
-    fd = os.memfd_create("read-rate")
-    os.ftruncate(fd, n)
-    shared = torch.frombuffer(mmap.mmap(fd, n), dtype=torch.uint8)
-    torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(shared.data_ptr(), n, 0))
-    shared.fill_(1)
-    for name, src in (("plain", torch.ones(n, dtype=torch.uint8)),
-                      ("pinned (cudaHostAlloc)", torch.ones(n, dtype=torch.uint8, pin_memory=True)),
-                      ("shared memfd, registered (the writer processes' pool)", shared)):
-        a = src.numpy()
-        np.copyto(dst, a)
-        t0 = time.perf_counter()
-        for _ in range(3):
+    with registered_memory(n) as shared:
+        shared.fill_(1)
+        for name, src in (("plain", torch.ones(n, dtype=torch.uint8)),
+                          ("pinned (cudaHostAlloc)", torch.ones(n, dtype=torch.uint8, pin_memory=True)),
+                          ("shared memfd, registered (the writer processes' pool)", shared)):
+            a = src.numpy()
             np.copyto(dst, a)
-        print(f"one core copying out of {name} memory: {3 * n / (time.perf_counter() - t0) / 1e9:.2f} GB/s", flush=True)
-    # registered memory must be unregistered before its mapping goes: a later mapping at the same
-    # address fails to register ("resource already mapped")
-    torch.cuda.cudart().cudaHostUnregister(shared.data_ptr())
+            t0 = time.perf_counter()
+            for _ in range(3):
+                np.copyto(dst, a)
+            print(f"one core copying out of {name} memory: {3 * n / (time.perf_counter() - t0) / 1e9:.2f} GB/s",
+                  flush=True)
 
 
 def copy_rates(gib: float = 1.0):
     """The device copying into pageable, pinned and registered shared host memory with
     non_blocking=True, as the worker copies features: how long the call holds the host (a copy the
     driver cannot do asynchronously returns only when done) and the rate to completion."""
-    import mmap
     import torch
     n = int(gib * 2 ** 30)
     src = torch.ones(n, dtype=torch.uint8, device="cuda")
-    fd = os.memfd_create("copy-rate")
-    os.ftruncate(fd, n)
-    shared = torch.frombuffer(mmap.mmap(fd, n), dtype=torch.uint8)
-    torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(shared.data_ptr(), n, 0))
-    for name, dst in (("pageable", torch.empty(n, dtype=torch.uint8)),
-                      ("pinned (cudaHostAlloc)", torch.empty(n, dtype=torch.uint8, pin_memory=True)),
-                      ("shared memfd, registered (the pool)", shared)):
-        dst.copy_(src, non_blocking=True)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for k in range(4):  # slices, as the worker copies sample by sample
-            dst[k * n // 4:(k + 1) * n // 4].copy_(src[k * n // 4:(k + 1) * n // 4], non_blocking=True)
-        held = time.perf_counter() - t0
-        torch.cuda.synchronize()
-        done = time.perf_counter() - t0
-        print(f"device -> {name} memory (is_pinned {dst.is_pinned()}): {n / done / 1e9:.1f} GB/s, the host held "
-              f"{held / done:.0%} of that time", flush=True)
-    torch.cuda.cudart().cudaHostUnregister(shared.data_ptr())
+    with registered_memory(n) as shared:
+        for name, dst in (("pageable", torch.empty(n, dtype=torch.uint8)),
+                          ("pinned (cudaHostAlloc)", torch.empty(n, dtype=torch.uint8, pin_memory=True)),
+                          ("shared memfd, registered (the pool)", shared)):
+            dst.copy_(src, non_blocking=True)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for k in range(4):  # slices, as the worker copies sample by sample
+                dst[k * n // 4:(k + 1) * n // 4].copy_(src[k * n // 4:(k + 1) * n // 4], non_blocking=True)
+            held = time.perf_counter() - t0
+            torch.cuda.synchronize()
+            done = time.perf_counter() - t0
+            print(f"device -> {name} memory (is_pinned {dst.is_pinned()}): {n / done / 1e9:.1f} GB/s, the host held "
+                  f"{held / done:.0%} of that time", flush=True)
 
 
 def main():
