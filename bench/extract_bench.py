@@ -406,7 +406,8 @@ def main():
                 results.append({"run": spec, "error": (p.stdout + p.stderr)[-3000:]})
                 continue
             if a.profile and cache == "warm":  # the child's profile tables
-                print(f"[{spec}] profile:\n" + "\n".join(l for l in p.stdout.splitlines() if "it/s]" not in l), flush=True)
+                shown = "\n".join(line for line in p.stdout.splitlines() if "it/s]" not in line)
+                print(f"[{spec}] profile:\n{shown}", flush=True)
             r = json.loads(out.read_text())
             r.update(run=spec, autotunes=len(tunes), autotune_s=sum(tunes), tuned_kernels=by_kernel,
                      cached_kernels=sum(1 for _ in Path(caches[key]).rglob("*.json")))
