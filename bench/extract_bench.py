@@ -167,6 +167,9 @@ def measure(a) -> dict:
     w = Worker(cfg, 0, 1, device, model=model, cores=cores)
     planned = st.Store(store, require_complete=False)
     layout, index = planned.layout, planned.index()
+    if device.type == "cuda":
+        w.timeline = []  # per batch: device start/end events and the host's queueing time
+        torch.cuda.reset_peak_memory_stats(device)
     t_start, c_start = time.time(), time.process_time()
     if a.profile:  # where the worker's own process spends the pipeline (the writer processes are apart)
         from torch.profiler import ProfilerActivity, profile
@@ -185,12 +188,20 @@ def measure(a) -> dict:
     else:
         t_pipe = timed(lambda: w.run(list(range(layout.n_units))), device)
     t_gpu = w.gpu_done_at - t_start
-    t_setup = w.first_forward_at - t_start  # unit buffers allocated and pinned, writer processes started
+    t_setup = w.first_forward_at - t_start  # buffers pinned and writer processes started, beside the warm-up
     cpu_worker, cpu_writers = time.process_time() - c_start, w.out.cpu_seconds()
     queued = [q for q, _ in w.out.timings]
     writing = [x for _, x in w.out.timings]
     disk = st.disk_bytes(store)
     log(f"pipeline: {t_pipe:.1f} s, GPU side {t_gpu:.1f} s, {tokens / t_pipe:,.0f} tok/s")
+    timeline = None
+    if w.timeline:
+        tl = w.timeline
+        mem = torch.cuda.memory_stats(device)
+        timeline = {"shapes": [[b, n] for b, n, *_ in tl], "host_ms": [h * 1e3 for _, _, h, _, _ in tl],
+                    "device_ms": [s.elapsed_time(e) for *_, s, e in tl],
+                    "gap_ms": [tl[k][4].elapsed_time(tl[k + 1][3]) for k in range(len(tl) - 1)],
+                    "device_mallocs": mem.get("num_device_alloc"), "alloc_retries": mem.get("num_alloc_retries")}
     syncs = sync_check(w, model, planned, index) if device.type == "cuda" else None
 
     # 2. the baselines over the same batches the worker planned, warm
@@ -225,16 +236,18 @@ def measure(a) -> dict:
                     last[lo:lo + cfg.logit_chunk] @ head.T
                 sync(device)
 
-    launch = [0.0]
+    launch, per_batch = [0.0], []
 
     def feats():
         launch[0] = 0.0
+        per_batch.clear()
         with torch.no_grad():
             for ids, att, ns in tensors:
                 t0 = time.perf_counter()
                 forward_features(model, ids, ns, layer_ids, 16, cfg.logit_chunk)
                 launch[0] += time.perf_counter() - t0  # the host's time to queue the batch's work
                 sync(device)
+                per_batch.append((time.perf_counter() - t0) * 1e3)
 
     if a.baseline_twice:
         feats()  # warm (the worker already was, over the same shapes)
@@ -262,6 +275,8 @@ def measure(a) -> dict:
                 fn()
             head_ms[name] = timed(lambda: [fn() for _ in range(20)], device) / 20 * 1e3
     peak = torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else float("nan")
+    if timeline is not None:
+        timeline["baseline_ms"] = list(per_batch)  # the same batches, in the same order
     if a.dir is None:
         shutil.rmtree(tmp, ignore_errors=True)
     return {"shape": a.shape, "layers": L, "logit_chunk": cfg.logit_chunk, "params_b": n_params / 1e9, "lengths": a.lengths, "samples": len(lengths),
@@ -275,7 +290,8 @@ def measure(a) -> dict:
             "target_s": t_target, "features_s": t_feat, "pipeline_gpu_s": t_gpu, "setup_s": t_setup,
             "close_s": w.out.close_s, "pipeline_s": t_pipe, "disk_bytes": disk,
             "raw_bytes": tokens * len(layer_ids) * tcfg.hidden_size * 2, "peak_gib": peak, "head_ms": head_ms,
-            "precision": a.precision, "codec": a.codec, "layer_ids": layer_ids, "syncs": syncs}
+            "precision": a.precision, "codec": a.codec, "layer_ids": layer_ids, "syncs": syncs,
+            "timeline": timeline}
 
 
 def report(r: dict, label: str = ""):
@@ -295,7 +311,8 @@ def report(r: dict, label: str = ""):
         print(f"{name:26s}{t:9.2f}{tok / t:11,.0f}{r['target_s'] / t:11.3f}{r['body_s'] / t:9.3f}")
     if "setup_s" in r:
         t = r["pipeline_gpu_s"] - r["setup_s"]
-        print(f"setup before the first forward (unit buffers allocated and pinned, writer processes started) "
+        print(f"setup before the first batch (unit buffers allocated and pinned, writer processes started, "
+              f"beside the model's warm-up forward) "
               f"{r['setup_s']:.2f} s; the GPU side from the first forward {t:.2f} s = {r['target_s'] / t:.3f} of the "
               f"target forward")
     drain = r["pipeline_s"] - r["pipeline_gpu_s"]
@@ -322,6 +339,8 @@ def report(r: dict, label: str = ""):
     if r.get("syncs") is not None:
         where = ", ".join(f"{k} x{n}" for k, n in sorted(r["syncs"].items(), key=lambda kv: -kv[1]))
         print(f"host waits for the device in one batch of the worker: {sum(r['syncs'].values())} ({where or 'none'})")
+    if r.get("timeline"):
+        report_timeline(r["timeline"])
     if "autotunes" in r:
         print(f"Triton: {r['autotunes']} autotuning runs ({r['autotune_s']:.1f} s of tuning reported), "
               f"{r['cached_kernels']} compiled kernels in the cache after the run")
@@ -329,6 +348,31 @@ def report(r: dict, label: str = ""):
             print(f"  tuned {name}: {n} key{'s' * (n > 1)}, {secs:.1f} s")
     for name, ms in r["head_ms"].items():
         print(f"  LM head, one chunk of {r['logit_chunk']} tokens: {name:34s}{ms:8.2f} ms")
+
+
+def report_timeline(t: dict):
+    """Where the pipeline's device time went, batch by batch, against the same batch's
+    forward+features alone (synced per batch, warm)."""
+    dev, base, gaps, host = (np.array(t[k]) for k in ("device_ms", "baseline_ms", "gap_ms", "host_ms"))
+    if len(base) != len(dev):
+        print(f"timeline: {len(dev)} batches in the pipeline, {len(base)} in the baseline: not compared")
+        return
+    print(f"timeline of the pipeline's {len(dev)} batches on the device: forward+features {dev.sum() / 1e3:.2f} s "
+          f"against {base.sum() / 1e3:.2f} s alone (x{dev.sum() / base.sum():.3f}, median batch "
+          f"x{np.median(dev / base):.3f}); the device idle between batches {gaps.sum() / 1e3:.2f} s (max "
+          f"{gaps.max(initial=0) / 1e3:.2f} s); the host queueing batches {host.sum() / 1e3:.2f} s; cudaMallocs "
+          f"{t['device_mallocs']}, allocation retries {t['alloc_retries']}")
+    seen, first = set(), []
+    for k, (b, n) in enumerate(t["shapes"]):  # a batch size's first batch may compile a kernel (bench/shape_bench.py)
+        first.append(b not in seen)
+        seen.add(b)
+    first = np.array(first)
+    extra = dev - base
+    print(f"  batches of a batch size new to the process: {first.sum()}, {extra[first].sum() / 1e3:.2f} s over "
+          f"their alone time; the others {extra[~first].sum() / 1e3:.2f} s")
+    for k in np.argsort(-extra)[:5]:
+        print(f"  batch {k} {tuple(t['shapes'][k])}: {dev[k]:.0f} ms on the device against {base[k]:.0f} ms alone, "
+              f"host queueing {host[k]:.0f} ms, idle before it {gaps[k - 1] if k else 0:.0f} ms")
 
 
 def main():

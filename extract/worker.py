@@ -103,6 +103,8 @@ class Worker:
         self.out: UnitWriters | None = None  # made in run(): processes start there, not on construction
         self.gpu_done_at = 0.0  # when the last batch's features reached the host (benchmarks)
         self.first_forward_at = 0.0  # when the first batch started: setup (buffers, processes) is before it
+        # benchmarks set a list: per batch (B, S, host seconds queueing it, device start and end events)
+        self.timeline: list | None = None
 
     @property
     def error(self) -> BaseException | None:
@@ -186,10 +188,18 @@ class Worker:
             if dev.type == "cuda":  # an asynchronous copy needs pinned memory: from pageable the driver may wait
                 ids = ids.pin_memory()
         ns = [n for _, _, n in batch]
+        timed = self.timeline is not None and dev.type == "cuda"
+        if timed:
+            t0, start = time.perf_counter(), torch.cuda.Event(enable_timing=True)
+            start.record()
         with record_function("extract.forward_features"):
             hidden, idx, logp, lse, ok = forward_features(
                 model, ids.to(dev, non_blocking=True), ns, self.layer_ids, self.layout.topk, self.cfg.logit_chunk)
             feats = st.encode_features(self.layout.precision, hidden, idx, logp, lse)
+        if timed:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.timeline.append((len(batch), padded, time.perf_counter() - t0, start, end))
         event, ok_host = None, ok
         for name, t in feats.items():  # copy_ would broadcast a wrong layer count silently
             if t.shape[1:] != buf.arrays[name].shape[1:]:
