@@ -138,11 +138,24 @@ class Worker:
         by_unit = st.samples_by_unit(offsets, S, self.layout.n_units)
         dtype = compute_dtype(cfg.dtype, dev)
         cuda = dev.type == "cuda"
-        # writer processes start first: their imports overlap the model's load
-        self.out = UnitWriters(cfg.store, self.layout, self.writers, self.procs, extra=cfg.queue_units + 1,
-                               pin=cuda, claims=self.claims, rank=self.rank, progress_q=self.progress_q)
-        collector = threading.Thread(target=self.out.guard(self._collector), daemon=True)
-        collector.start()
+        # The unit buffers (GiBs allocated and pinned: seconds) and the writer processes are made on
+        # a thread while the model loads and runs a warm-up forward, the process's one-time
+        # initialisation (CUDA modules, kernels loaded or compiled: seconds too).
+        made: dict = {}
+
+        def make_writers():
+            try:
+                if cuda:  # the pool is pinned for this thread's current device
+                    torch.cuda.set_device(dev)
+                made["out"] = UnitWriters(cfg.store, self.layout, self.writers, self.procs,
+                                          extra=cfg.queue_units + 1, pin=cuda, claims=self.claims,
+                                          rank=self.rank, progress_q=self.progress_q)
+            except BaseException as e:
+                made["error"] = e
+
+        setup = threading.Thread(target=make_writers, daemon=True)
+        setup.start()
+        collector = None
         try:
             model = self.model if self.model is not None else load_target(cfg.target, dev, dtype)
             # one tuning per FLA kernel, not one per batch shape (shared/tuning.py)
@@ -151,6 +164,16 @@ class Worker:
             if record is not None and record.seeded:
                 log(f"worker {self.rank}: shipped kernel tunings for this GPU and target shape: "
                     f"{len(record.seeded)} kernels not tuned here ({record.folder})")
+            with record_function("extract.warm_up"):
+                self._warm_up(model)
+            if record is not None:
+                record()
+            setup.join()
+            if "error" in made:
+                raise made["error"]
+            self.out = made["out"]
+            collector = threading.Thread(target=self.out.guard(self._collector), daemon=True)
+            collector.start()
             copy_stream = torch.cuda.Stream(dev) if cuda else None
             log(f"worker {self.rank} on {dev}: {self.out.describe()}")
             for u in units:
@@ -173,11 +196,25 @@ class Worker:
                     if record is not None:
                         record()
         finally:
-            self.collect_q.put(_STOP)
-            collector.join()
-            self.out.close()
+            setup.join()  # an error before it finished: its writers are closed all the same
+            if collector is not None:
+                self.collect_q.put(_STOP)
+                collector.join()
+            if self.out is None and "out" in made:
+                self.out = made["out"]
+            if self.out is not None:
+                self.out.close()
         if self.error:
             raise self.error
+
+    def _warm_up(self, model):
+        """One forward of a few tokens, whose results are dropped: what a process pays once (the
+        device's libraries and kernels loaded, the compiled log-sum-exp built) is paid here,
+        beside the writers' setup, not in the first batch."""
+        ids = torch.full((1, 16), self.pad_id, dtype=torch.long, device=self.device)
+        forward_features(model, ids, [16], self.layer_ids, self.layout.topk, self.cfg.logit_chunk)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _batch(self, model, buf: UnitBuffer, batch, padded: int, unit_ids, files, rows, copy_stream):
         dev = self.device

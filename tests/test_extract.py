@@ -293,3 +293,20 @@ def test_wrong_layer_count_is_an_error_not_a_broadcast(tiny, tmp_path, monkeypat
     with pytest.raises(RuntimeError, match=r"features/hidden of shape \(1, 64\) for a store of \(3, 64\)"):
         run(extract_cfg(tiny, tmp_path / "s"))
     assert not st.done_units(tmp_path / "s")
+
+
+def test_a_target_that_fails_to_load_stops_the_writers_made_beside_it(tiny, tmp_path, monkeypatch):
+    """The unit buffers and writer processes are made on a thread while the target loads: when the
+    load fails, its error is the run's, and the writer processes made meanwhile are stopped."""
+    import multiprocessing
+
+    import extract.worker as w
+
+    def broken(*a, **kw):
+        raise OSError("target weights unreadable")
+
+    monkeypatch.setattr(w, "load_target", broken)
+    with pytest.raises(OSError, match="target weights unreadable"):
+        run(extract_cfg(tiny, tmp_path / "s", writer_procs="on", writers=2))
+    assert not multiprocessing.active_children()
+    assert not st.done_units(tmp_path / "s")
