@@ -80,6 +80,14 @@ tar czf "$OUT/fla-configs.tgz" -C /tmp/te/0 fla-configs   # the tunings this mac
 timeout 240 $X --tokens 1000000 --runs 0:warm --json "$OUT/extract_chat_1m.json"; pkill -f extract_bench.py
 fi
 
+if run f; then
+echo "== f. first run and warm run over the same 1M-token chat mix (every batch size compiled in the first), with the device timeline =="
+lscpu | grep -E "^(CPU\(s\)|Thread|Core|Socket|Model name)"
+X="python bench/extract_bench.py --shape 27b --layers 16 --lengths chat --once --cache /tmp/tf --tokens 1000000"
+timeout 270 $X --runs 0:cold --json "$OUT/extract_chat_1m_cold.json"; pkill -f extract_bench.py
+timeout 240 $X --runs 0:warm --json "$OUT/extract_chat_1m_warm.json"; pkill -f extract_bench.py
+fi
+
 if run a; then
 echo "== a. loader rows/s from a local S3 server (SeaweedFS on this host) vs the local disk, 27B drafter shapes =="
 python bench/train_bench.py --sections loader --loader-samples 6 --workers 12 --step-ms 341 --loader-where local,s3 \
