@@ -142,11 +142,13 @@ class Worker:
         # a thread while the model loads and runs a warm-up forward, the process's one-time
         # initialisation (CUDA modules, kernels loaded or compiled: seconds too).
         made: dict = {}
+        # the pool is pinned in the thread's current device's context: this thread's device
+        index = (dev.index if dev.index is not None else torch.cuda.current_device()) if cuda else None
 
         def make_writers():
             try:
-                if cuda:  # the pool is pinned for this thread's current device
-                    torch.cuda.set_device(dev)
+                if cuda:
+                    torch.cuda.set_device(index)
                 made["out"] = UnitWriters(cfg.store, self.layout, self.writers, self.procs,
                                           extra=cfg.queue_units + 1, pin=cuda, claims=self.claims,
                                           rank=self.rank, progress_q=self.progress_q)
