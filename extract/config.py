@@ -34,7 +34,7 @@ class ExtractConfig:
                                      "then 2^k * (1 + j/N)); 0: to its longest sample (FLA's autotuning "
                                      "keys hold no length, docs/DESIGN.md 'Extraction speed')")
     pow2_batch: bool = opt(False, "round each forward's sequence count down to a power of two (at most 7 batch "
-                                   "sizes for the kernels that autotune per batch size)")
+                                   "sizes for the kernels that autotune and compile per batch size)")
     shard_tokens: int = opt(16384, "tokens per unit (= per shard of every token array)")
     chunk_tokens: int = opt(64, "tokens per compressed chunk of features/hidden")
     writers: int = opt(0, "units compressed and written in parallel per worker; 0: from the worker's CPU cores "
