@@ -16,6 +16,7 @@ import mmap
 import multiprocessing as mp
 import os
 import queue
+import sys
 import threading
 import time
 import traceback
@@ -174,6 +175,11 @@ def _proc_main(store: str, fd: DupFd, specs, slot_bytes: int, size: int, conn):
             conn.send(("done", ok, time.process_time() - c0))
         except BaseException as e:
             conn.send(("error", getattr(e, "errno", None), f"{type(e).__name__}: {e}", traceback.format_exc()))
+    # Every unit sent was written and answered for. The interpreter's teardown (modules, zarr's
+    # event-loop thread: most of a second) would only lengthen the run's final drain.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 class WriterProc:
