@@ -206,13 +206,20 @@ def measure(a) -> dict:
 
     # 2. the baselines over the same batches the worker planned, warm
     S = layout.shard_tokens
-    tensors, shapes = [], set()
-    for u, members in enumerate(st.samples_by_unit(index["offset"], S, layout.n_units)):
-        items = [(int(i), int(index["offset"][i]) - u * S, int(index["length"][i])) for i in members]
-        for batch, padded in plan_batches(items, cfg.batch_tokens, cfg.max_batch, cfg.buckets_per_octave, cfg.pow2_batch):
-            ids, att = pad_batch([torch.from_numpy(enc[i].input_ids.astype(np.int64)) for i, _, _ in batch], 0, padded)
-            tensors.append((ids.to(device), att.to(device), [n for _, _, n in batch]))
-            shapes.add(tuple(ids.shape))
+    planned_batches = [(batch, padded) for u, members in enumerate(st.samples_by_unit(index["offset"], S, layout.n_units))
+                       for batch, padded in plan_batches([(int(i), int(index["offset"][i]) - u * S, int(index["length"][i]))
+                                                          for i in members], cfg.batch_tokens, cfg.max_batch,
+                                                         cfg.buckets_per_octave, cfg.pow2_batch)]
+    shapes = {(len(b), n) for b, n in planned_batches}
+    padded_all = sum(len(b) * n for b, n in planned_batches)
+    # --baseline-every N: the baselines time every Nth batch, scaled to all by padded tokens (long runs)
+    sampled = list(range(0, len(planned_batches), a.baseline_every))
+    tensors = []
+    for k in sampled:
+        batch, padded = planned_batches[k]
+        ids, att = pad_batch([torch.from_numpy(enc[i].input_ids.astype(np.int64)) for i, _, _ in batch], 0, padded)
+        tensors.append((ids.to(device), att.to(device), [n for _, _, n in batch]))
+    scale = padded_all / sum(ids.numel() for ids, _, _ in tensors)
     head = model.lm_head.weight
 
     def body():
@@ -253,10 +260,12 @@ def measure(a) -> dict:
         feats()  # warm (the worker already was, over the same shapes)
     t_body, t_target, t_feat = timed(body, device), timed(target, device), timed(feats, device)
     t_unmasked = timed(body_unmasked, device)
+    launch[0] *= scale
     log(f"body {t_body:.1f} s, target forward {t_target:.1f} s, forward+features {t_feat:.1f} s "
-        f"over {len(tensors)} batches of {len(shapes)} shapes")
+        f"over {len(tensors)} of {len(planned_batches)} batches")
     if a.baseline_twice:  # the best of two: drift between the first and the last timing
         t_body, t_target = min(t_body, timed(body, device)), min(t_target, timed(target, device))
+    t_body, t_target, t_feat, t_unmasked = (t * scale for t in (t_body, t_target, t_feat, t_unmasked))
 
     # 3. the LM head alone on one chunk: matmul, the old float32 top-k/lse, the new path
     head_ms = {}
@@ -276,13 +285,14 @@ def measure(a) -> dict:
             head_ms[name] = timed(lambda: [fn() for _ in range(20)], device) / 20 * 1e3
     peak = torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else float("nan")
     if timeline is not None:
-        timeline["baseline_ms"] = list(per_batch)  # the same batches, in the same order
+        timeline["baseline_ms"] = list(per_batch)  # the same batches (every --baseline-every'th), in order
+        timeline["baseline_index"] = sampled
     if a.dir is None:
         shutil.rmtree(tmp, ignore_errors=True)
     return {"shape": a.shape, "layers": L, "logit_chunk": cfg.logit_chunk, "params_b": n_params / 1e9, "lengths": a.lengths, "samples": len(lengths),
             "tokens": tokens, "mean_len": tokens / len(lengths), "max_len": max(lengths), "buckets": a.buckets,
-            "pow2": a.pow2, "batches": len(tensors), "shapes": len(shapes),
-            "padded_tokens": sum(ids.numel() for ids, _, _ in tensors), "writers": w.writers, "writer_procs": w.procs, "cores": cores,
+            "pow2": a.pow2, "batches": len(planned_batches), "shapes": len(shapes),
+            "baseline_batches": len(sampled), "padded_tokens": padded_all, "writers": w.writers, "writer_procs": w.procs, "cores": cores,
             "cpu_worker_s": cpu_worker, "cpu_writers_s": cpu_writers, "buffer_wait_s": w.out.pool.waited,
             "unit_queued_s": [float(np.mean(queued)), float(np.max(queued))],
             "unit_write_s": [float(np.mean(writing)), float(np.max(writing))],
@@ -301,6 +311,9 @@ def report(r: dict, label: str = ""):
           f"{r['shapes']} distinct shapes, padding {r['padded_tokens'] / tok - 1:.1%}, buckets/octave "
           f"{r['buckets']}{' pow2' if r['pow2'] else ''}; {r['units']} units, {r['writers']} writer "
           f"{'processes' if r.get('writer_procs') else 'threads'}, {r['cores']} cores")
+    if r.get("baseline_batches", r["batches"]) < r["batches"]:
+        print(f"the body, target and forward+features rows: timed over {r['baseline_batches']} of the {r['batches']} "
+              f"batches (every Nth), scaled to all by padded tokens: estimates")
     print(f"{'':26s}{'seconds':>9s}{'tok/s':>11s}{'vs target':>11s}{'vs body':>9s}")
     for name, key in (("body forward", "body_s"), ("body, no mask (as ours)", "body_unmasked_s"),
                       ("target forward", "target_s"), ("forward+features", "features_s"),
@@ -352,27 +365,31 @@ def report(r: dict, label: str = ""):
 
 def report_timeline(t: dict):
     """Where the pipeline's device time went, batch by batch, against the same batch's
-    forward+features alone (synced per batch, warm)."""
-    dev, base, gaps, host = (np.array(t[k]) for k in ("device_ms", "baseline_ms", "gap_ms", "host_ms"))
-    if len(base) != len(dev):
-        print(f"timeline: {len(dev)} batches in the pipeline, {len(base)} in the baseline: not compared")
+    forward+features alone (synced per batch, warm; every --baseline-every'th batch)."""
+    dev_all, gaps, host_all, base = (np.array(t[k]) for k in ("device_ms", "gap_ms", "host_ms", "baseline_ms"))
+    idx = np.array(t.get("baseline_index", range(len(base))), dtype=int)
+    if len(base) != len(idx) or (len(idx) and idx.max() >= len(dev_all)):
+        print(f"timeline: {len(dev_all)} batches in the pipeline, {len(base)} in the baseline: not compared")
         return
-    print(f"timeline of the pipeline's {len(dev)} batches on the device: forward+features {dev.sum() / 1e3:.2f} s "
-          f"against {base.sum() / 1e3:.2f} s alone (x{dev.sum() / base.sum():.3f}, median batch "
-          f"x{np.median(dev / base):.3f}); the device idle between batches {gaps.sum() / 1e3:.2f} s (max "
-          f"{gaps.max(initial=0) / 1e3:.2f} s); the host queueing batches {host.sum() / 1e3:.2f} s; cudaMallocs "
-          f"{t['device_mallocs']}, allocation retries {t['alloc_retries']}")
     seen, first = set(), []
-    for k, (b, n) in enumerate(t["shapes"]):  # a batch size's first batch may compile a kernel (bench/shape_bench.py)
+    for b, _ in t["shapes"]:  # a batch size's first batch may compile a kernel (bench/shape_bench.py)
         first.append(b not in seen)
         seen.add(b)
-    first = np.array(first)
+    first, dev, host = np.array(first)[idx], dev_all[idx], host_all[idx]
+    idle_before = np.concatenate([[0.0], gaps])[idx]
+    which = "" if len(idx) == len(dev_all) else f" (the {len(idx)} of {len(dev_all)} that the baselines ran)"
+    print(f"timeline of the pipeline's batches{which} on the device: forward+features {dev.sum() / 1e3:.2f} s "
+          f"against {base.sum() / 1e3:.2f} s alone (x{dev.sum() / base.sum():.3f}, median batch "
+          f"x{np.median(dev / base):.3f}); over all {len(dev_all)} batches the device idle between batches "
+          f"{gaps.sum() / 1e3:.2f} s (max {gaps.max(initial=0) / 1e3:.2f} s), the host queueing them "
+          f"{host_all.sum() / 1e3:.2f} s; cudaMallocs {t['device_mallocs']}, allocation retries {t['alloc_retries']}")
     extra = dev - base
     print(f"  batches of a batch size new to the process: {first.sum()}, {extra[first].sum() / 1e3:.2f} s over "
           f"their alone time; the others {extra[~first].sum() / 1e3:.2f} s")
-    for k in np.argsort(-extra)[:5]:
-        print(f"  batch {k} {tuple(t['shapes'][k])}: {dev[k]:.0f} ms on the device against {base[k]:.0f} ms alone, "
-              f"host queueing {host[k]:.0f} ms, idle before it {gaps[k - 1] if k else 0:.0f} ms")
+    for j in np.argsort(-extra)[:5]:
+        k = idx[j]
+        print(f"  batch {k} {tuple(t['shapes'][k])}: {dev[j]:.0f} ms on the device against {base[j]:.0f} ms alone, "
+              f"host queueing {host[j]:.0f} ms, idle before it {idle_before[j]:.0f} ms")
 
 
 def main():
@@ -399,6 +416,8 @@ def main():
     ap.add_argument("--once", dest="baseline_twice", action="store_false", help="the body and target forwards "
                     "timed once, not twice, and no warm-up call before them (the best of two guards against drift; "
                     "once is for quick checks)")
+    ap.add_argument("--baseline-every", type=int, default=1, help="the baselines time every Nth batch, "
+                    "scaled to all by padded tokens (a long run's baselines would take 4x its forward)")
     ap.add_argument("--shard-tokens", type=int, default=16384)
     ap.add_argument("--dir", default=None, help="where the store is written (default: a temp dir)")
     ap.add_argument("--json", default=None)

@@ -88,6 +88,13 @@ timeout 270 $X --runs 0:cold --json "$OUT/extract_chat_1m_cold.json"; pkill -f e
 timeout 240 $X --runs 0:warm --json "$OUT/extract_chat_1m_warm.json"; pkill -f extract_bench.py
 fi
 
+if run g; then
+echo "== g. a long warm run: 8M chat tokens after a 1M-token first run; baselines over every 10th batch (one call, ~9 minutes) =="
+X="python bench/extract_bench.py --shape 27b --layers 16 --lengths chat --once --cache /tmp/tg --baseline-every 10"
+timeout 150 $X --tokens 1000000 --runs 0:cold --json "$OUT/extract_chat_1m_cold.json"; pkill -f extract_bench.py
+timeout 430 $X --tokens 8000000 --runs 0:warm --json "$OUT/extract_chat_8m_warm.json"; pkill -f extract_bench.py
+fi
+
 if run a; then
 echo "== a. loader rows/s from a local S3 server (SeaweedFS on this host) vs the local disk, 27B drafter shapes =="
 python bench/train_bench.py --sections loader --loader-samples 6 --workers 12 --step-ms 341 --loader-where local,s3 \
