@@ -36,6 +36,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from collections import Counter
@@ -99,6 +100,39 @@ def plan_only(a):
                     shapes.add((len(batch), L))
             print(f"{name:>14s}{buckets:9d}{'yes' if pow2 else 'no':>6s}{padded / sum(lengths) - 1:9.1%}"
                   f"{len(shapes):8d}{n:9d}")
+
+
+class Pruner(threading.Thread):
+    """--prune: deletes each marked unit's feature shards, counting their bytes first, so a run of
+    millions of tokens (~37 GiB of store per million at the 27B shape's hidden size) fits the
+    device's disk. Every write still happens; only what is on disk at the end differs."""
+
+    def __init__(self, store: Path):
+        super().__init__(daemon=True)
+        self.store, self.swept, self.bytes = store, set(), 0
+        self.stopped = threading.Event()
+
+    def run(self):
+        while not self.stopped.wait(0.5):
+            self.sweep()
+
+    def sweep(self):
+        for u in sorted(st.done_unit_ids(self.store) - self.swept):
+            for name in st.FEATURE_ARRAYS:
+                p = self.store / name / "c" / str(u)  # zarr's default keys: c/<shard>[/0/0]
+                files = [p] if p.is_file() else [f for f in p.rglob("*") if f.is_file()]
+                self.bytes += sum(f.stat().st_size for f in files)
+                if p.is_file():
+                    p.unlink()
+                elif p.is_dir():
+                    shutil.rmtree(p)
+            self.swept.add(u)
+
+    def finish(self) -> int:
+        self.stopped.set()
+        self.join()
+        self.sweep()
+        return self.bytes
 
 
 def sync_check(w: Worker, model, planned: st.Store, index) -> dict[str, int]:
@@ -170,6 +204,9 @@ def measure(a) -> dict:
     if device.type == "cuda":
         w.timeline = []  # per batch: device start/end events and the host's queueing time
         torch.cuda.reset_peak_memory_stats(device)
+    pruner = Pruner(store) if a.prune else None
+    if pruner is not None:
+        pruner.start()
     t_start, c_start = time.time(), time.process_time()
     if a.profile:  # where the worker's own process spends the pipeline (the writer processes are apart)
         from torch.profiler import ProfilerActivity, profile
@@ -192,7 +229,8 @@ def measure(a) -> dict:
     cpu_worker, cpu_writers = time.process_time() - c_start, w.out.cpu_seconds()
     queued = [q for q, _ in w.out.timings]
     writing = [x for _, x in w.out.timings]
-    disk = st.disk_bytes(store)
+    pruned = pruner.finish() if pruner is not None else 0  # first: it deletes what it counts
+    disk = st.disk_bytes(store) + pruned
     log(f"pipeline: {t_pipe:.1f} s, GPU side {t_gpu:.1f} s, {tokens / t_pipe:,.0f} tok/s")
     timeline = None
     if w.timeline:
@@ -418,6 +456,8 @@ def main():
                     "once is for quick checks)")
     ap.add_argument("--baseline-every", type=int, default=1, help="the baselines time every Nth batch, "
                     "scaled to all by padded tokens (a long run's baselines would take 4x its forward)")
+    ap.add_argument("--prune", action="store_true", help="delete each unit's feature shards once it is marked "
+                    "(bytes counted first): a long run's store fits the disk")
     ap.add_argument("--shard-tokens", type=int, default=16384)
     ap.add_argument("--dir", default=None, help="where the store is written (default: a temp dir)")
     ap.add_argument("--json", default=None)
