@@ -89,10 +89,10 @@ timeout 240 $X --runs 0:warm --json "$OUT/extract_chat_1m_warm.json"; pkill -f e
 fi
 
 if run g; then
-echo "== g. a long warm run: 8M chat tokens after a 1M-token first run; baselines over every 10th batch; marked units pruned from the disk (37 GiB per 1M tokens) =="
-X="python bench/extract_bench.py --shape 27b --layers 16 --lengths chat --once --cache /tmp/tg --baseline-every 10 --prune"
+echo "== g. a long warm run: 8M chat tokens after a 1M-token first run; baselines over every 20th batch; marked units pruned from the disk (37 GiB per 1M tokens) =="
+X="python bench/extract_bench.py --shape 27b --layers 16 --lengths chat --once --cache /tmp/tg --baseline-every 20 --prune"
 timeout 150 $X --tokens 1000000 --runs 0:cold --json "$OUT/extract_chat_1m_cold.json"; pkill -f extract_bench.py
-timeout 430 $X --tokens 8000000 --runs 0:warm --json "$OUT/extract_chat_8m_warm.json"; pkill -f extract_bench.py
+timeout 420 $X --tokens 8000000 --runs 0:warm --json "$OUT/extract_chat_8m_warm.json"; pkill -f extract_bench.py
 fi
 
 if run a; then
