@@ -67,6 +67,34 @@ def plan_batches(items: list[tuple[int, int, int]], batch_tokens: int, max_batch
 _STOP = object()
 
 
+class _OnThread(threading.Thread):
+    """fn() on a thread of its own, started at once, with the caller's device current there
+    (cudaHostRegister pins memory for the calling thread's current device). result() waits and
+    returns fn's value or raises its error."""
+
+    def __init__(self, fn, device: torch.device):
+        super().__init__(daemon=True)
+        self.fn, self.value, self.exc = fn, None, None
+        self.index = None
+        if device.type == "cuda":
+            self.index = device.index if device.index is not None else torch.cuda.current_device()
+        self.start()
+
+    def run(self):
+        try:
+            if self.index is not None:
+                torch.cuda.set_device(self.index)
+            self.value = self.fn()
+        except BaseException as e:
+            self.exc = e
+
+    def result(self):
+        self.join()
+        if self.exc is not None:
+            raise self.exc
+        return self.value
+
+
 def writer_count(cfg: ExtractConfig, cores: int, procs: bool) -> int:
     """--writers, or from the cores this worker has, two left for the forward's host work and the
     collector. Threads: at most 8 (on a 16-core H200 host 4, 8 and 16 threads wrote at the same
@@ -141,22 +169,9 @@ class Worker:
         # The unit buffers (GiBs allocated and pinned: seconds) and the writer processes are made on
         # a thread while the model loads and runs a warm-up forward, the process's one-time
         # initialisation (CUDA modules, kernels loaded or compiled: seconds too).
-        made: dict = {}
-        # the pool is pinned in the thread's current device's context: this thread's device
-        index = (dev.index if dev.index is not None else torch.cuda.current_device()) if cuda else None
-
-        def make_writers():
-            try:
-                if cuda:
-                    torch.cuda.set_device(index)
-                made["out"] = UnitWriters(cfg.store, self.layout, self.writers, self.procs,
-                                          extra=cfg.queue_units + 1, pin=cuda, claims=self.claims,
-                                          rank=self.rank, progress_q=self.progress_q)
-            except BaseException as e:
-                made["error"] = e
-
-        setup = threading.Thread(target=make_writers, daemon=True)
-        setup.start()
+        setup = _OnThread(lambda: UnitWriters(cfg.store, self.layout, self.writers, self.procs,
+                                              extra=cfg.queue_units + 1, pin=cuda, claims=self.claims,
+                                              rank=self.rank, progress_q=self.progress_q), dev)
         collector = None
         try:
             model = self.model if self.model is not None else load_target(cfg.target, dev, dtype)
@@ -170,10 +185,7 @@ class Worker:
                 self._warm_up(model)
             if record is not None:
                 record()
-            setup.join()
-            if "error" in made:
-                raise made["error"]
-            self.out = made["out"]
+            self.out = setup.result()
             collector = threading.Thread(target=self.out.guard(self._collector), daemon=True)
             collector.start()
             copy_stream = torch.cuda.Stream(dev) if cuda else None
@@ -198,12 +210,12 @@ class Worker:
                     if record is not None:
                         record()
         finally:
-            setup.join()  # an error before it finished: its writers are closed all the same
+            setup.join()
+            if self.out is None:  # made, though the run failed before taking them: closed all the same
+                self.out = setup.value
             if collector is not None:
                 self.collect_q.put(_STOP)
                 collector.join()
-            if self.out is None and "out" in made:
-                self.out = made["out"]
             if self.out is not None:
                 self.out.close()
         if self.error:
