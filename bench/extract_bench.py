@@ -28,6 +28,7 @@ baselines run after it, warm.
 from __future__ import annotations
 
 import argparse
+import functools
 import inspect
 import json
 import os
@@ -52,7 +53,7 @@ from extract.plan import assign_units, by_length, write_plan
 from extract.worker import Worker, plan_batches
 from shared import store as st
 from shared.data import Encoded
-from shared.features import causal_masks, forward_features, logit_features, pad_batch, valid_index
+from shared.features import _compiled_lse, causal_masks, forward_features, logit_features, pad_batch, valid_index
 from shared.progress import log
 from shared.target import default_layer_ids
 from shared.tiny import tiny_config
@@ -191,7 +192,7 @@ def measure(a) -> dict:
                         max_len=a.seq_len, precision=a.precision, codec=a.codec, topk=16,
                         batch_tokens=max(a.batch_tokens, a.seq_len), shard_tokens=max(a.shard_tokens, a.seq_len),
                         writers=a.writers, writer_procs=a.writer_procs, buckets_per_octave=a.buckets,
-                        pow2_batch=a.pow2, progress=False)
+                        pow2_batch=a.pow2, writer_nice=a.writer_nice, progress=False)
     manifest = synthetic_manifest(cfg, tcfg.hidden_size, L, tcfg.vocab_size, layer_ids, len(enc))
     write_plan(cfg, manifest, enc, len(layer_ids), tcfg.hidden_size)
     tokens = sum(lengths)
@@ -305,22 +306,36 @@ def measure(a) -> dict:
         t_body, t_target = min(t_body, timed(body, device)), min(t_target, timed(target, device))
     t_body, t_target, t_feat, t_unmasked = (t * scale for t in (t_body, t_target, t_feat, t_unmasked))
 
-    # 3. the LM head alone on one chunk: matmul, the old float32 top-k/lse, the new path
-    head_ms = {}
+    # 3. the LM head alone on one chunk: matmul, the earlier top-k/lse paths, the new one per block size
+    head_ms, head_check = {}, {}
     if device.type == "cuda":
         x = torch.randn(cfg.logit_chunk, tcfg.hidden_size, device=device, dtype=dtype)
+        lse_c = _compiled_lse()
 
-        def old():
+        def f32_row():
             logits = (x @ head.T).float()
             lse = torch.logsumexp(logits, dim=-1)
             v, i = logits.topk(16, dim=-1)
             return v - lse[:, None], i
 
-        for name, fn in (("matmul only", lambda: x @ head.T), ("float32 top-k + lse (before)", old),
-                         ("model-dtype top-k + compiled lse", lambda: logit_features(x, head, 16, cfg.logit_chunk))):
+        def row():  # top-k over the whole row in the model's dtype (the path before topk_by_blocks)
+            logits = x @ head.T
+            v, i = logits.topk(16, dim=-1)
+            return i, v.float() - lse_c(logits, logits.amax(dim=-1))[:, None]
+
+        paths = [("matmul only", lambda: x @ head.T), ("float32 top-k over the row + lse", f32_row),
+                 ("model-dtype top-k over the row + compiled lse", row)]
+        paths += [(f"top-k by blocks of {b} + compiled lse", functools.partial(logit_features, x, head, 16,
+                                                                               cfg.logit_chunk, block=b))
+                  for b in (64, 128, 256, 512, 1024)]
+        for name, fn in paths:
             for _ in range(3):
                 fn()
             head_ms[name] = timed(lambda: [fn() for _ in range(20)], device) / 20 * 1e3
+        # the same log-probs as top-k over the row, on real-sized logits
+        ref = row()[1].cpu()
+        for b in (64, 256, 1024):
+            head_check[b] = bool(torch.equal(logit_features(x, head, 16, cfg.logit_chunk, block=b)[1].cpu(), ref))
     peak = torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else float("nan")
     if timeline is not None:
         timeline["baseline_ms"] = list(per_batch)  # the same batches (every --baseline-every'th), in order
@@ -330,14 +345,14 @@ def measure(a) -> dict:
     return {"shape": a.shape, "layers": L, "logit_chunk": cfg.logit_chunk, "params_b": n_params / 1e9, "lengths": a.lengths, "samples": len(lengths),
             "tokens": tokens, "mean_len": tokens / len(lengths), "max_len": max(lengths), "buckets": a.buckets,
             "pow2": a.pow2, "batches": len(planned_batches), "shapes": len(shapes),
-            "baseline_batches": len(sampled), "padded_tokens": padded_all, "writers": w.writers, "writer_procs": w.procs, "cores": cores,
+            "baseline_batches": len(sampled), "padded_tokens": padded_all, "writers": w.writers, "writer_procs": w.procs, "writer_nice": a.writer_nice, "cores": cores,
             "cpu_worker_s": cpu_worker, "cpu_writers_s": cpu_writers, "buffer_wait_s": w.out.pool.waited,
             "unit_queued_s": [float(np.mean(queued)), float(np.max(queued))],
             "unit_write_s": [float(np.mean(writing)), float(np.max(writing))],
             "units": layout.n_units, "body_s": t_body, "body_unmasked_s": t_unmasked, "launch_s": launch[0],
             "target_s": t_target, "features_s": t_feat, "pipeline_gpu_s": t_gpu, "setup_s": t_setup,
             "close_s": w.out.close_s, "pipeline_s": t_pipe, "disk_bytes": disk,
-            "raw_bytes": tokens * len(layer_ids) * tcfg.hidden_size * 2, "peak_gib": peak, "head_ms": head_ms,
+            "raw_bytes": tokens * len(layer_ids) * tcfg.hidden_size * 2, "peak_gib": peak, "head_ms": head_ms, "head_check": head_check,
             "precision": a.precision, "codec": a.codec, "layer_ids": layer_ids, "syncs": syncs,
             "timeline": timeline}
 
@@ -348,7 +363,8 @@ def report(r: dict, label: str = ""):
           f"{tok:,} tokens (mean {r['mean_len']:.0f}, max {r['max_len']}), {r['batches']} batches of "
           f"{r['shapes']} distinct shapes, padding {r['padded_tokens'] / tok - 1:.1%}, buckets/octave "
           f"{r['buckets']}{' pow2' if r['pow2'] else ''}; {r['units']} units, {r['writers']} writer "
-          f"{'processes' if r.get('writer_procs') else 'threads'}, {r['cores']} cores")
+          f"{'processes' if r.get('writer_procs') else 'threads'}"
+          f"{' at nice ' + str(r.get('writer_nice')) if r.get('writer_procs') else ''}, {r['cores']} cores")
     if r.get("baseline_batches", r["batches"]) < r["batches"]:
         print(f"the body, target and forward+features rows: timed over {r['baseline_batches']} of the {r['batches']} "
               f"batches (every Nth), scaled to all by padded tokens: estimates")
@@ -398,7 +414,9 @@ def report(r: dict, label: str = ""):
         for name, (n, secs) in sorted(r.get("tuned_kernels", {}).items(), key=lambda kv: -kv[1][1]):
             print(f"  tuned {name}: {n} key{'s' * (n > 1)}, {secs:.1f} s")
     for name, ms in r["head_ms"].items():
-        print(f"  LM head, one chunk of {r['logit_chunk']} tokens: {name:34s}{ms:8.2f} ms")
+        print(f"  LM head, one chunk of {r['logit_chunk']} tokens: {name:48s}{ms:8.2f} ms")
+    for block, same in r.get("head_check", {}).items():
+        print(f"  top-k by blocks of {block}: the same log-probs as top-k over the row: {same}")
 
 
 def report_timeline(t: dict):
@@ -446,6 +464,7 @@ def main():
     ap.add_argument("--codec", default="zstd1")
     ap.add_argument("--writers", type=int, default=0, help="0: the worker's automatic count")
     ap.add_argument("--writer-procs", default="auto", choices=("auto", "on", "off"))
+    ap.add_argument("--writer-nice", type=int, default=ExtractConfig.writer_nice, help="the writer processes' niceness")
     ap.add_argument("--profile", action="store_true", help="run the pipeline under torch.profiler and print "
                     "where the worker process spends it (slower: read the shares, not the times; with --runs, "
                     "warm runs only)")

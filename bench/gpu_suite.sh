@@ -95,6 +95,16 @@ timeout 150 $X --tokens 1000000 --runs 0:cold --json "$OUT/extract_chat_1m_cold.
 timeout 420 $X --tokens 8000000 --runs 0:warm --json "$OUT/extract_chat_8m_warm.json"; pkill -f extract_bench.py
 fi
 
+if run h; then
+echo "== h. top-k by blocks: fixed 2048 first run (LM head per block size); 1M chat first run, then warm with the writer processes at nice 10 and at 0 =="
+timeout 140 python bench/extract_bench.py --shape 27b --layers 16 --seq-len 2048 --seqs 160 --once \
+    --json "$OUT/extract_16l_2048.json"; pkill -f extract_bench.py
+X="python bench/extract_bench.py --shape 27b --layers 16 --lengths chat --once --cache /tmp/th --tokens 1000000"
+timeout 150 $X --runs 0:cold --baseline-every 5 --json "$OUT/extract_chat_1m_cold.json"; pkill -f extract_bench.py
+timeout 130 $X --runs 0:warm --baseline-every 2 --json "$OUT/extract_chat_1m_nice10.json"; pkill -f extract_bench.py
+timeout 130 $X --runs 0:warm --baseline-every 2 --writer-nice 0 --json "$OUT/extract_chat_1m_nice0.json"; pkill -f extract_bench.py
+fi
+
 if run a; then
 echo "== a. loader rows/s from a local S3 server (SeaweedFS on this host) vs the local disk, 27B drafter shapes =="
 python bench/train_bench.py --sections loader --loader-samples 6 --workers 12 --step-ms 341 --loader-where local,s3 \

@@ -42,6 +42,9 @@ class ExtractConfig:
     writer_procs: Literal["auto", "on", "off"] = opt("auto", "write units from processes of their own over shared "
                                                              "buffers (one process's zarr writes top out near "
                                                              "0.9 GB/s); auto: on with a GPU, off on the CPU")
+    writer_nice: int = opt(10, "niceness of the writer processes, so that when the cores are busy the worker's "
+                                "thread that queues the forward is served first (a small batch's forward waits on "
+                                "it); 0: the worker's own", cli=False)
     queue_units: int = opt(2, "finished units waiting for a writer (bounds host memory)", cli=False)
     dtype: Literal["auto", "bf16", "fp32"] = opt("auto", "compute dtype: auto = bf16 on GPU, fp32 on CPU")
     logit_chunk: int = opt(2048, "tokens per LM-head chunk when computing top-k and lse", cli=False)

@@ -171,7 +171,8 @@ class Worker:
         # initialisation (CUDA modules, kernels loaded or compiled: seconds too).
         setup = _OnThread(lambda: UnitWriters(cfg.store, self.layout, self.writers, self.procs,
                                               extra=cfg.queue_units + 1, pin=cuda, claims=self.claims,
-                                              rank=self.rank, progress_q=self.progress_q), dev)
+                                              rank=self.rank, progress_q=self.progress_q,
+                                              nice=cfg.writer_nice), dev)
         collector = None
         try:
             model = self.model if self.model is not None else load_target(cfg.target, dev, dtype)

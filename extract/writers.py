@@ -149,10 +149,12 @@ class UnitPool:
 
 # --- writer processes -----------------------------------------------------------------------
 
-def _proc_main(store: str, fd: DupFd, specs, slot_bytes: int, size: int, conn):
+def _proc_main(store: str, fd: DupFd, specs, slot_bytes: int, size: int, conn, nice: int):
     """A writer process: maps the pool, then writes the units it is sent until told to stop.
     Asks its parent before each shard whether the unit's claim is still held (the claims live
     there), clears the buffer after writing, and reports (marked, CPU seconds) or the error."""
+    if nice:
+        os.nice(nice)  # its threads and the codecs' threads it starts inherit it
     # mapped whole at the start (while the worker loads its model), not page by page at each first read
     mm = mmap.mmap(fd.detach(), size * slot_bytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
     views = [{name: np.ndarray(shape, dt, buffer=mm, offset=slot * slot_bytes + off)
@@ -185,11 +187,11 @@ def _proc_main(store: str, fd: DupFd, specs, slot_bytes: int, size: int, conn):
 class WriterProc:
     """One writer process, driven by one writer thread of the worker."""
 
-    def __init__(self, store: str, pool: UnitPool):
+    def __init__(self, store: str, pool: UnitPool, nice: int = 0):
         ctx = mp.get_context("spawn")  # the worker has CUDA and threads: no fork
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_proc_main, args=(store, DupFd(pool.fd), pool.specs, pool.slot_bytes,
-                                                         pool.size, child), daemon=True)
+                                                         pool.size, child, nice), daemon=True)
         self.proc.start()
         child.close()
         self.cpu = 0.0  # CPU seconds its writes took
@@ -247,11 +249,11 @@ class WriterProc:
 
 class UnitWriters:
     """n writer threads over a pool of n + extra buffers; procs: each thread writes through a
-    process of its own. submit() hands a filled buffer over; the first error is kept in .error
-    (and unblocks whoever waits on the pool) for the worker's main loop to raise."""
+    process of its own, at niceness `nice`. submit() hands a filled buffer over; the first error
+    is kept in .error (and unblocks whoever waits on the pool) for the worker's main loop to raise."""
 
     def __init__(self, store: str, layout: st.Layout, n: int, procs: bool, extra: int, pin: bool,
-                 claims=None, rank: int = 0, progress_q=None, clear: bool = True):
+                 claims=None, rank: int = 0, progress_q=None, clear: bool = True, nice: int = 0):
         self.store, self.claims, self.rank, self.progress_q = store, claims, rank, progress_q
         self.n, self.procs, self.clear = n, procs, clear
         self.pool = UnitPool(layout, n + extra, pin, shared=procs)
@@ -260,7 +262,7 @@ class UnitWriters:
         self.error: BaseException | None = None
         self.timings: list[tuple[float, float]] = []  # per unit: (s queued for a writer, s writing)
         self.close_s: dict[str, float] = {}
-        self._procs = [WriterProc(store, self.pool) for _ in range(n)] if procs else []
+        self._procs = [WriterProc(store, self.pool, nice) for _ in range(n)] if procs else []
         self._threads = [threading.Thread(target=self.guard(self._loop), args=(i,), daemon=True)
                          for i in range(n)]
         for t in self._threads:

@@ -55,13 +55,12 @@ def valid_index(lengths: list[int], S: int) -> torch.Tensor:
     return torch.cat([torch.arange(n) + b * S for b, n in enumerate(lengths)])
 
 
-def logsumexp_fp32(logits: torch.Tensor) -> torch.Tensor:
-    """(n, V) logits in the model's dtype -> (n,) float32 log-sum-exp. Compiled, this is one
-    fused reduction that reads the logits twice in their own dtype; eager it materialises a
-    float32 copy (what torch.logsumexp(logits.float()) does)."""
-    x = logits.float()
-    m = x.amax(dim=-1, keepdim=True)
-    return (m + (x - m).exp().sum(dim=-1, keepdim=True).log()).squeeze(-1)
+def logsumexp_fp32(logits: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """(n, V) logits in the model's dtype and their (n,) row maxima -> (n,) float32 log-sum-exp.
+    Compiled, this is one fused reduction that reads the logits once in their own dtype; eager it
+    materialises a float32 copy."""
+    m = m.float()[:, None]
+    return (m + (logits.float() - m).exp().sum(dim=-1, keepdim=True).log()).squeeze(-1)
 
 
 @functools.cache
@@ -69,19 +68,46 @@ def _compiled_lse():
     return torch.compile(logsumexp_fp32, dynamic=True)
 
 
-def logit_features(last: torch.Tensor, head: torch.Tensor, topk: int, chunk: int, fused: bool | None = None):
+TOPK_BLOCK = 256  # vocabulary block of topk_by_blocks (bench/extract_bench.py times others)
+
+
+def topk_by_blocks(logits: torch.Tensor, k: int, block: int = TOPK_BLOCK):
+    """The k largest values of each row of (n, V) logits, sorted, with their ids, and each row's
+    maximum. The k largest of a row lie in the k blocks of `block` ids whose maxima are largest
+    (an element outside them has k block maxima, each from another block, at least as large), so
+    only those k * block values are ranked: one pass over the logits for the block maxima in
+    place of a radix select over the whole vocabulary. The same values as topk over the row;
+    among equal values the ids chosen may differ, as they may between any two top-k kernels."""
+    n, V = logits.shape
+    full = V // block
+    if full <= k:  # too few blocks to gain anything
+        v, i = logits.topk(k, dim=-1)
+        return v, i, logits.amax(dim=-1)
+    bmax = logits[:, :full * block].view(n, full, block).amax(dim=-1)
+    if full * block < V:  # the last, partial block
+        bmax = torch.cat([bmax, logits[:, full * block:].amax(dim=-1, keepdim=True)], dim=1)
+    top = bmax.topk(k, dim=-1).indices
+    cols = (top[:, :, None] * block + torch.arange(block, device=logits.device)).flatten(1)
+    inside = cols < V  # the partial block's ids past the vocabulary
+    vals = logits.gather(1, cols.clamp(max=V - 1)).masked_fill_(~inside, float("-inf"))
+    v, j = vals.topk(k, dim=-1)
+    return v, cols.gather(1, j), bmax.amax(dim=-1)
+
+
+def logit_features(last: torch.Tensor, head: torch.Tensor, topk: int, chunk: int, fused: bool | None = None,
+                   block: int = TOPK_BLOCK):
     """Top-k ids, their log-probs (float32) and the lse (float32) of last @ head.T, chunked so
     the full (T, V) never exists. Top-k runs on the logits in the model's dtype (the cast to
-    float32 is exact and monotonic: the same values, half the bytes to select from); the lse is
-    the compiled reduction on a GPU (fused=None), eager elsewhere (docs/DESIGN.md, "Extraction
-    speed")."""
+    float32 is exact and monotonic: the same values, half the bytes to select from), by blocks
+    (topk_by_blocks), whose row maxima the lse reuses; the lse is the compiled reduction on a GPU
+    (fused=None), eager elsewhere (docs/DESIGN.md, "Extraction speed")."""
     fused = last.device.type == "cuda" if fused is None else fused
-    lse_fn = _compiled_lse() if fused else (lambda x: torch.logsumexp(x.float(), dim=-1))
+    lse_fn = _compiled_lse() if fused else logsumexp_fp32
     vals, inds, lses = [], [], []
     for lo in range(0, last.shape[0], chunk):
         logits = last[lo:lo + chunk] @ head.T
-        lse = lse_fn(logits)
-        v, i = logits.topk(topk, dim=-1)
+        v, i, m = topk_by_blocks(logits, topk, block)
+        lse = lse_fn(logits, m)
         vals.append(v.float() - lse[:, None])
         inds.append(i)
         lses.append(lse)

@@ -100,7 +100,10 @@ def test_two_workers_write_one_store_identically(tiny, reference, tmp_path):
 
 def test_writer_processes_write_the_same_store(tiny, reference, tmp_path):
     """Units written by writer processes from the shared pool equal the in-process writers' bit for
-    bit, and a writer process's failure comes back as the worker's error, naming the unit."""
+    bit, the processes run at the niceness asked, and a writer process's failure comes back as the
+    worker's error, naming the unit."""
+    import os
+
     from extract.writers import UnitWriters
     store = tmp_path / "procs"
     run(extract_cfg(tiny, store, max_batch=1, writer_procs="on", writers=2))
@@ -108,7 +111,9 @@ def test_writer_processes_write_the_same_store(tiny, reference, tmp_path):
     assert ref.keys() == got.keys()
     for k in ref:
         assert np.array_equal(ref[k], got[k]), k
-    w = UnitWriters(str(store), st.Store(store).layout, 1, procs=True, extra=0, pin=False)
+    w = UnitWriters(str(store), st.Store(store).layout, 1, procs=True, extra=0, pin=False, nice=3)
+    w.wait_ready()  # the process lowers its priority before it says it is ready
+    assert os.getpriority(os.PRIO_PROCESS, w._procs[0].proc.pid) == min(19, os.getpriority(os.PRIO_PROCESS, 0) + 3)
     buf = w.pool.get(10 ** 6, 1, 1)  # no such unit: the store refuses it in the writer process
     w.submit(buf)
     w.close()

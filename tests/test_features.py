@@ -6,7 +6,7 @@ import sys
 
 import torch
 
-from shared.features import forward_features, logit_features, pad_batch
+from shared.features import forward_features, logit_features, pad_batch, topk_by_blocks
 from shared.target import load_target
 
 
@@ -95,15 +95,16 @@ def test_nan_features_flag_the_sample(tiny):
 def test_fused_topk_and_lse_against_full_logits():
     """The GPU path (top-k on the model-dtype logits, compiled lse) run on the CPU, where
     inductor compiles the same reduction: against log_softmax of the full float32 logits, for
-    bf16 and fp32 and a chunk that does not divide the tokens."""
+    bf16 and fp32, a chunk that does not divide the tokens, and top-k over the whole row (few
+    blocks) and by blocks."""
     g = torch.Generator().manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16):
         last = torch.randn(70, 48, generator=g).to(dtype)
         head = (torch.randn(1000, 48, generator=g) * 0.5).to(dtype)
         full = (last @ head.T).float()  # the model-dtype logits, cast exactly
         ref_lse = torch.logsumexp(full, -1)
-        for fused in (False, True):
-            idx, logp, lse = logit_features(last, head, 8, chunk=32, fused=fused)
+        for fused, block in ((False, 256), (True, 256), (False, 16), (True, 16)):  # 16: by blocks
+            idx, logp, lse = logit_features(last, head, 8, chunk=32, fused=fused, block=block)
             torch.testing.assert_close(lse, ref_lse, rtol=1e-6, atol=1e-5)
             assert lse.dtype == logp.dtype == torch.float32
             # the same values; ties (common in bf16) may order differently: compare the values
@@ -113,6 +114,26 @@ def test_fused_topk_and_lse_against_full_logits():
             got = (full - ref_lse[:, None]).gather(1, idx)
             torch.testing.assert_close(got, logp, rtol=1e-6, atol=1e-5)
             assert len({tuple(r) for r in idx.sort(dim=1).values.tolist()}) > 1
+
+
+def test_topk_by_blocks_against_topk_over_the_row():
+    """Values equal to topk's over the whole row, sorted; each id distinct and holding its value;
+    the row maxima right. Rows of many ties (values on a coarse grid), a vocabulary the block
+    does not divide (the partial block holding a row's top values), and rows whose top values
+    crowd into one block."""
+    g = torch.Generator().manual_seed(1)
+    for dtype in (torch.float32, torch.bfloat16):
+        for V, block, k in ((1000, 16, 8), (1003, 32, 16), (4096, 64, 4), (300, 16, 16)):
+            x = (torch.randn(40, V, generator=g) * 3).round().to(dtype)  # few distinct values: ties
+            x[0, -3:] = 100  # the partial block (or the last one) holds the top values
+            x[1, 64:64 + 2 * k] = torch.arange(2 * k, dtype=dtype) + 50  # top 2k in one or two blocks
+            v, i, m = topk_by_blocks(x, k, block)
+            ref = x.topk(k, dim=-1).values
+            assert torch.equal(v, ref), (V, block, k, dtype)
+            assert torch.equal(x.gather(1, i), v)
+            assert all(len(set(r)) == k for r in i.tolist()) and int(i.max()) < V
+            assert torch.equal(m, x.amax(dim=-1))
+            assert set(i[0, :3].tolist()) == {V - 3, V - 2, V - 1}
 
 
 def test_bucketed_batches_cover_every_sample_with_few_shapes():
