@@ -99,7 +99,8 @@ def _compression(name: str, itemsize: int):
     if name == "zstd1":
         return (), (ZstdCodec(level=1),)
     if name == "shuffle-zstd3":
-        return (Shuffle(elementsize=itemsize),), (ZstdCodec(level=3),)
+        # zarr's numcodecs Shuffle is a bytes-to-bytes codec: a compressor step, not a filter
+        return (), (Shuffle(elementsize=itemsize), ZstdCodec(level=3))
     if name.startswith("blosc-"):  # blosc-zstd1, blosc-zstd3, blosc-lz4: SIMD shuffle inside blosc
         cname, level = name[len("blosc-"):-1], int(name[-1])
         return (), (BloscCodec(cname=cname, clevel=level, shuffle=BloscShuffle.shuffle, typesize=itemsize),)
