@@ -3,11 +3,13 @@ compress, checksum and write as whole units, and how many CPU cores that takes.
 
     python bench/host_bench.py --writers t1,t4,t8,p2,p4,p6,p8 --units 24      # H200 host (16 cores)
     python bench/host_bench.py --writers t1,t2,p1,p2 --units 4 --layers 2 --hidden 1024   # CPU smoke run
+    python bench/host_bench.py --writers t1,p1,p2 --zarr-shards t1,p1,p2 --units 6       # encoder vs zarr
 
 Each row writes (then reads back whole) the same units (synthetic features with the magnitude
 structure of hidden states: a few outlier channels, the rest near N(0, 1)) through the worker's own
 writers (extract/writers.py): tN = N writer threads in this process, pN = N writer processes over
-the shared unit buffers. The buffers are filled once and not cleared between units (clearing is
+the shared unit buffers; zKIND = the same with zarr writing each shard (shared/store.py's
+ShardEncoder off), the baseline of the encoder. The buffers are filled once and not cleared between units (clearing is
 the only step left out). Goal (issue 11): >= 2 GB/s of raw bf16 features per GPU with the cores
 one GPU has on an 8-GPU host. "cores busy" = CPU time of this process and the writer processes /
 wall time.
@@ -167,6 +169,8 @@ def main():
     ap.add_argument("--precision", default="bf16")
     ap.add_argument("--goal-gbs", type=float, default=2.0)
     ap.add_argument("--zarr-crc", action="store_true", help="baseline: zarr's own crc32c codec (inline on its event loop)")
+    ap.add_argument("--zarr-shards", default="", help="writer kinds (e.g. t1,p2) also run with zarr writing every "
+                    "shard (the store's ShardEncoder off, DFLASH_ZARR_SHARDS=1): baseline rows marked 'z'")
     ap.add_argument("--pin", action="store_true", help="pinned unit buffers, as a worker on a GPU has them "
                     "(and first: the CPU's read rate from pinned and from plain memory)")
     ap.add_argument("--dir", default=None)
@@ -194,13 +198,18 @@ def main():
           f"{'zarr inline' if a.zarr_crc else 'threaded'}) on {'S3 at ' + server.endpoint if server else tmp}; "
           f"{os.cpu_count()} CPUs visible; {n_units} units per row")
     kinds = [f"t{x}" for x in a.threads.split(",")] if a.threads else a.writers.split(",")
+    kinds += [f"z{k}" for k in a.zarr_shards.split(",") if k]
     if a.pin:
         read_rates()
         copy_rates()
     print(f"{'writers':>8s}{'raw GB/s':>10s}{'cores busy':>12s}{'GB/s per core':>15s}{'disk GB/s':>11s}"
           f"{'read GB/s':>11s}{'read cores':>12s}{'s/unit write':>14s}")
     for kind in kinds:
-        procs, W = kind[0] == "p", int(kind[1:])
+        zarr_shards = kind[0] == "z"
+        os.environ.pop("DFLASH_ZARR_SHARDS", None)
+        if zarr_shards:  # read by the store in this process and in writer processes started from here
+            os.environ["DFLASH_ZARR_SHARDS"] = "1"
+        procs, W = kind.lstrip("z")[0] == "p", int(kind.lstrip("z")[1:])
         store = server.url(f"hbench/store-{kind}") if server else str(tmp / f"store-{kind}")
         as_location(store).delete_all()
         cfg.store = store
@@ -251,13 +260,21 @@ def main():
         as_location(store).delete_all()
     if server is not None:
         server.stop()
+    os.environ.pop("DFLASH_ZARR_SHARDS", None)
+    for r in rows:  # the store's shard encoder against zarr writing the shards, same writers
+        base = next((b for b in rows if b["writers"] == "z" + r["writers"]), None)
+        if base is not None:
+            print(f"{r['writers']}: {r['raw_gbs'] / base['raw_gbs']:.2f}x the raw GB/s of zarr's shard writes, "
+                  f"{r['gbs_per_core'] / base['gbs_per_core']:.2f}x per busy core")
+    rows_z, rows = [r for r in rows if r["writers"][0] == "z"], [r for r in rows if r["writers"][0] != "z"]
     best = max(rows, key=lambda r: r["raw_gbs"])
     per_core = np.median([r["gbs_per_core"] for r in rows])
     print(f"best {best['raw_gbs']:.2f} GB/s with {best['writers']} ({best['cores_busy']:.1f} cores busy); "
           f"at {per_core:.3f} GB/s per busy core, {a.goal_gbs} GB/s needs about {a.goal_gbs / per_core:.1f} cores; "
           f"compression {rows[0]['ratio']:.3f}x")
     if a.json:
-        Path(a.json).write_text(json.dumps({"rows": rows, "cores_for_goal": a.goal_gbs / per_core}, indent=2))
+        Path(a.json).write_text(json.dumps({"rows": rows, "zarr_shard_rows": rows_z,
+                                            "cores_for_goal": a.goal_gbs / per_core}, indent=2))
     if a.dir is None:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -23,6 +23,7 @@ import fcntl
 import os
 import shutil
 import uuid
+from collections.abc import Iterable
 from pathlib import Path
 
 _SCHEMES = ("s3://", "s3a://", "gs://", "gcs://", "az://", "abfs://", "azure://", "memory://", "http://",
@@ -65,15 +66,17 @@ class LocalLocation(Location):
         except (FileNotFoundError, NotADirectoryError):
             return None
 
-    def _staged(self, key: str, data: bytes) -> tuple[Path, Path]:
+    def _staged(self, key: str, data: "bytes | Iterable[bytes]") -> tuple[Path, Path]:
         """(the key's path, a temporary file beside it holding data): renamed or linked into place."""
         p = self._p(key)
         p.parent.mkdir(parents=True, exist_ok=True)
         tmp = p.with_name(f"{p.name}.tmp{os.getpid()}-{uuid.uuid4().hex[:8]}")
-        tmp.write_bytes(data)
+        with open(tmp, "wb") as f:
+            f.write(data) if isinstance(data, (bytes, bytearray, memoryview)) else f.writelines(data)
         return p, tmp
 
-    def write(self, key: str, data: bytes):
+    def write(self, key: str, data: "bytes | Iterable[bytes]"):
+        """data: bytes, or pieces written one after another as they come."""
         p, tmp = self._staged(key, data)
         os.replace(tmp, p)
 
@@ -189,8 +192,8 @@ class ObjectLocation(Location):
             return None
         return bytes(r.bytes()), r.meta["e_tag"]
 
-    def write(self, key: str, data: bytes):
-        self._obs.put(self.store, key, data)
+    def write(self, key: str, data: "bytes | Iterable[bytes]"):
+        self._obs.put(self.store, key, data if isinstance(data, (bytes, bytearray, memoryview)) else b"".join(data))
 
     def create(self, key: str, data: bytes):
         try:
