@@ -19,38 +19,64 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def start_group(cmd: list[str], **env) -> subprocess.Popen:
-    """A process (torchrun, a CLI) in its own process group, so finish_groups reaches its
-    children; faulthandler on, so a hang can be made to print every thread's stack."""
+    """A process (torchrun, a CLI) in its own process group, faulthandler on, so a hang can be
+    made to print every thread's stack (finish_groups)."""
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1", **env}
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
 
 
+def process_tree(pid: int) -> list[int]:
+    """pid and every process below it, from /proc's parent links. A process group is not enough:
+    torchrun starts each rank in a session of its own, so signalling torchrun's group left the
+    ranks running, holding the stderr pipe, with their stacks unprinted."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        out.append(todo.pop())
+        todo.extend(children.get(out[-1], []))
+    return out
+
+
+def _signal(pids: list[int], sig: int):
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
 def finish_groups(procs: list[subprocess.Popen], timeout: float = 300) -> list[str]:
-    """Wait for every process; their stderr. If they are not done by the timeout, every process of
-    every group is sent SIGABRT (faulthandler prints where each thread was) and the test fails
-    with those stacks; nothing is left running either way."""
-    deadline, errs = time.time() + timeout, []
+    """Wait for every process; their stderr. If they are not done by the timeout, every process
+    below each of them is sent SIGABRT (faulthandler prints where each thread was) and the test
+    fails with those stacks; nothing is left running either way."""
+    deadline, errs, trees = time.time() + timeout, [], {}
     try:
         for p in procs:
             errs.append(p.communicate(timeout=max(1.0, deadline - time.time()))[1] or "")
     except subprocess.TimeoutExpired:
         stacks = []
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGABRT)
+        trees = {p.pid: process_tree(p.pid) for p in procs if p.poll() is None}  # before any exits
+        for tree in trees.values():
+            _signal(tree, signal.SIGABRT)
         for p in procs:
             try:
-                stacks.append((p.communicate(timeout=20)[1] or "")[-6000:])
+                stacks.append((p.communicate(timeout=20)[1] or "")[-12000:])
             except subprocess.TimeoutExpired:
-                stacks.append("(no output after SIGABRT)")
+                stacks.append("(no output 20 s after SIGABRT)")
         raise AssertionError(f"{len(procs)} process group(s) still running after {timeout:.0f} s; their stderr "
                              f"and stacks:\n" + "\n----\n".join(stacks)) from None
     finally:
         for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+            tree = trees.get(p.pid) or (process_tree(p.pid) if p.poll() is None else [])
+            _signal(tree, signal.SIGKILL)
+            p.wait()
     return errs
 
 
