@@ -102,6 +102,37 @@ def test_two_ranks_equal_one_rank_with_accumulation(store, draft, tmp_path):
     assert_trained_alike(tmp_path / "one", tmp_path / "two", one["step"])
 
 
+def test_the_ddp_model_is_freed_before_the_process_group(store, draft, tmp_path, monkeypatch):
+    """DDP's reducer holds the process group; freed after destroy_process_group it frees gloo's
+    group with the GIL held while gloo's worker thread may need the GIL: a 2-rank run hung at its
+    exit that way. So when the group is destroyed, the DDP model must be gone already (on success
+    and when the run fails)."""
+    import gc
+    import weakref
+
+    import train.loop as tl
+    seen, real_build, real_destroy = {}, tl.build_run, tl.dist.destroy_process_group
+
+    def build_run(*args):
+        run = real_build(*args)
+        seen["model"] = weakref.ref(run.model)
+        return run
+
+    def destroy(*args, **kw):
+        seen["alive at destroy"] = seen["model"]() is not None
+        return real_destroy(*args, **kw)
+
+    monkeypatch.setattr(tl, "build_run", build_run)
+    monkeypatch.setattr(tl.dist, "destroy_process_group", destroy)
+    tl.train(tcfg(store, draft, tmp_path / "ok", max_steps=2))
+    assert seen.pop("alive at destroy") is False
+    monkeypatch.setattr(tl, "loop", lambda run: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        tl.train(tcfg(store, draft, tmp_path / "failed", max_steps=2))
+    gc.collect()
+    assert seen.pop("alive at destroy") is False
+
+
 def test_export_reload_gives_identical_logits(store, draft, tmp_path):
     from shared.store import Store
     from train.export import load_drafter

@@ -3,6 +3,10 @@ holds is built in train/run.py; metrics and checkpoints are components of their 
 
 from __future__ import annotations
 
+import gc
+import sys
+import traceback
+
 import torch.distributed as dist
 
 from shared.progress import log
@@ -21,6 +25,7 @@ from train.step import train_step
 def train(cfg: TrainConfig) -> dict:
     cfg.validate()
     rank, world, device, own_group = init_distributed(cfg)
+    run = None
     try:
         run = build_run(cfg, rank, world, device)
         loop(run)
@@ -28,6 +33,16 @@ def train(cfg: TrainConfig) -> dict:
                 "compiled_graphs": run.graphs, "recompiles": run.recompiles}
     finally:
         if own_group and dist.is_initialized():
+            # DDP's reducer holds the process group. Left to be freed after the group is destroyed,
+            # the reducer frees gloo's group holding the GIL, and gloo's destructor waits for its
+            # worker thread, which may need the GIL to free the last barrier's work: a deadlock
+            # (seen as a 2-rank run that never exited). Freed first, the group is released by
+            # destroy_process_group, which lets go of the GIL. A failed run's traceback holds the
+            # frames that hold the run: their locals are cleared (the traceback still prints).
+            run = None
+            if (e := sys.exc_info()[1]) is not None:
+                traceback.clear_frames(e.__traceback__)
+            gc.collect()
             dist.destroy_process_group()
 
 
