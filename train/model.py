@@ -61,14 +61,16 @@ def attention_backend(attention: str, compile: str, cuda: bool) -> str:
 
 def compile_drafter(drafter: DFlashDrafter, mode: str) -> nn.Module:
     """What the step calls. blocks: each decoder layer compiled on its own, in place (attention
-    fused with its projections, norms and MLP; same-kind layers share one graph; the LM head and
-    the loss stay eager and chunked); full: the whole drafter; attention/none: nothing here
-    (docs/DESIGN.md, "Selective compilation")."""
+    fused with its projections, norms and MLP; same-kind layers share one graph), and so are the
+    context's and the output's RMSNorms (eager, each holds float32 copies of its (tokens, hidden)
+    input for the backward: the memory `full` did not spend); fc, the rotary tables, the LM head
+    and the loss stay eager, the last two chunked; full: the whole drafter; attention/none:
+    nothing here (docs/DESIGN.md, "Selective compilation")."""
     if mode == "full":
         return torch.compile(drafter, dynamic=False)
     if mode == "blocks":
-        for layer in drafter.layers:
-            layer.compile(dynamic=False)
+        for m in (*drafter.layers, drafter.hidden_norm, drafter.norm):
+            m.compile(dynamic=False)
     return drafter
 
 
