@@ -14,8 +14,8 @@ The folder is per GPU model and per target shape (head counts and dims), so a co
 reused for another model's kernels; it lives beside Triton's cache (TRITON_CACHE_DIR), whose
 on-disk autotune results (TRITON_CACHE_AUTOTUNING=1) serve the kernels FLA does not look up.
 
-The repo ships the folders it has measured (shared/tuned/: the H200 with the 27B shape, whose
-6 tunings cost 47-60 s of a first run), as serving engines ship their tuned kernel configs per
+The repo ships the folders it has measured (shared/tuned/: the H200 and the H100 80GB with the 27B
+shape, whose 6 tunings cost 40-60 s of a first run), as serving engines ship their tuned kernel configs per
 GPU: a machine with that GPU and shape starts with them instead of tuning.
 """
 

@@ -99,12 +99,13 @@ def test_shipped_tunings_seed_a_fresh_machine_and_never_replace_its_own(tmp_path
     assert tuning.enable("NVIDIA H200", cfg).folder == user and not list(user.iterdir())
 
 
-def test_shipped_tunings_are_fla_config_files_for_the_27b_shape():
+@pytest.mark.parametrize("gpu", ["NVIDIA H200", "NVIDIA H100 80GB HBM3"])
+def test_shipped_tunings_are_fla_config_files_for_the_27b_shape(gpu):
     from transformers import Qwen3_5TextConfig
     shape = dict(hidden_size=5120, num_attention_heads=24, head_dim=256, linear_num_key_heads=16,
                  linear_num_value_heads=48, linear_key_head_dim=128, linear_value_head_dim=128,
                  linear_conv_kernel_dim=4)
-    folder = tuning.config_dir("NVIDIA H200", Qwen3_5TextConfig(**shape).to_dict(), str(tuning.SHIPPED))
+    folder = tuning.config_dir(gpu, Qwen3_5TextConfig(**shape).to_dict(), str(tuning.SHIPPED))
     files = sorted(folder.glob("*.json"))
     assert [f.stem for f in files] == sorted(["chunk_fwd_kernel_o", "chunk_gated_delta_rule_fwd_kernel_h_blockdim64",
                                              "chunk_gated_delta_rule_fwd_kkt_solve_kernel",
