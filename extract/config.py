@@ -40,8 +40,9 @@ class ExtractConfig:
     writers: int = opt(0, "units compressed and written in parallel per worker; 0: from the worker's CPU cores "
                           "(minus 2; threads: at most 8; processes: one per 2 cores)")
     writer_procs: Literal["auto", "on", "off"] = opt("auto", "write units from processes of their own over shared "
-                                                             "buffers (one process's zarr writes top out near "
-                                                             "0.9 GB/s); auto: on with a GPU, off on the CPU")
+                                                             "buffers (threads share the worker's interpreter with "
+                                                             "the thread that queues the forward; processes add "
+                                                             "up); auto: on with a GPU, off on the CPU")
     writer_nice: int = opt(10, "niceness of the writer processes, so that when the cores are busy the worker's "
                                 "thread that queues the forward is served first (a small batch's forward waits on "
                                 "it); 0: the worker's own", cli=False)

@@ -2,11 +2,13 @@
 compress, checksum and write finished units (zarr shards) and give the buffers back, cleared.
 
 A writer is a thread of the worker, which writes either in the worker's own process or through a
-writer process of its own. One process's zarr codec pipeline writes at most ~0.9 GB/s of raw bf16
-features whatever its thread count (bench/host_bench.py on a 16-core H200 host), under half of what
-a fast target's forward produces; writer processes add up. They read the unit straight from the
-buffer the device copied into: the pool is one shared memory file (memfd: /dev/shm's size does not
-limit it), pinned for CUDA's asynchronous copies, so no unit is copied on the host.
+writer process of its own. Threads share the worker's interpreter with the thread that queues the
+forward; processes do not, and add up (with zarr writing every shard, one process topped out near
+0.9 GB/s of raw bf16 features on a 16-core H200 host; the store's shard encoder now compresses a
+shard's chunks on threads of its own: bench/host_bench.py, BENCHMARKS.md). They read the unit
+straight from the buffer the device copied into: the pool is one shared memory file (memfd:
+/dev/shm's size does not limit it), pinned for CUDA's asynchronous copies, so no unit is copied on
+the host.
 """
 
 from __future__ import annotations
