@@ -105,6 +105,37 @@ timeout 130 $X --runs 0:warm --baseline-every 2 --json "$OUT/extract_chat_1m_nic
 timeout 130 $X --runs 0:warm --baseline-every 2 --writer-nice 0 --json "$OUT/extract_chat_1m_nice0.json"; pkill -f extract_bench.py
 fi
 
+if run i; then
+echo "== i. eighth session: a first run on a bare machine (16 layers, fixed 2048: top-k by blocks, the LM head per block size); the shard encoder against zarr's shard writes; the step with the norms compiled; the 27B shape at 8192, warm =="
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; lscpu | grep -E "^(CPU\(s\)|Thread|Model name)"
+timeout 150 python bench/extract_bench.py --shape 27b --layers 16 --seq-len 2048 --seqs 160 --once \
+    --json "$OUT/extract_16l_2048_first.json"; pkill -f extract_bench.py
+tar czf "$OUT/fla-configs.tgz" -C ~/.triton/cache fla-configs   # the tunings this machine made, to ship
+timeout 80 python bench/host_bench.py --writers p4,p7 --zarr-shards p4,p7 --units 10 --dir /tmp/hbench \
+    --json "$OUT/host_encoder.json"; pkill -f host_bench.py
+timeout 170 python bench/train_bench.py --sections step --modes blocks,full --steps 5 --json "$OUT/step.json"
+timeout 170 python bench/extract_bench.py --shape 27b --seq-len 8192 --seqs 40 --once --baseline-every 4 --prune \
+    --json "$OUT/extract_27b_8192.json"; pkill -f extract_bench.py
+fi
+
+if run j; then
+echo "== j. a long first run: 6M chat tokens, 16 layers, an empty Triton cache; baselines over every 20th batch, units pruned =="
+timeout 560 python bench/extract_bench.py --shape 27b --layers 16 --lengths chat --once --cache /tmp/tj --baseline-every 20 \
+    --prune --tokens 6000000 --runs 0:cold --json "$OUT/extract_chat_6m_cold.json"; pkill -f extract_bench.py
+fi
+
+if run k; then
+echo "== k. the same 6M tokens warm (the cache j left); baselines warmed and the best of two (a one-time cost in a sampled baseline counts 20 times) =="
+timeout 500 python bench/extract_bench.py --shape 27b --layers 16 --lengths chat --cache /tmp/tj --baseline-every 20 \
+    --prune --tokens 6000000 --runs 0:warm --json "$OUT/extract_chat_6m_warm.json"; pkill -f extract_bench.py
+fi
+
+if run l; then
+echo "== l. a first run with the shipped H100 tunings: 3M chat tokens, 16 layers, an empty Triton cache =="
+timeout 300 python bench/extract_bench.py --shape 27b --layers 16 --lengths chat --cache /tmp/tl --baseline-every 20 \
+    --prune --tokens 3000000 --runs 0:cold --json "$OUT/extract_chat_3m_cold_shipped.json"; pkill -f extract_bench.py
+fi
+
 if run a; then
 echo "== a. loader rows/s from a local S3 server (SeaweedFS on this host) vs the local disk, 27B drafter shapes =="
 python bench/train_bench.py --sections loader --loader-samples 6 --workers 12 --step-ms 341 --loader-where local,s3 \
