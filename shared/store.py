@@ -460,8 +460,9 @@ class ShardEncoder:
     passes each inner chunk through its one event-loop thread, and that serial work, not the
     compression, held a writer process to ~0.27 GB/s of raw features per busy core against
     zstd's ~0.84 per core (bench/host_bench.py); here the chunks are compressed on a thread pool
-    and the shard is written in one call. for_array() is None for what it does not know (filters, index at the
-    start, chunks split along more than the token axis): those arrays are written through zarr."""
+    and the shard is written in one call. for_array() is None for what it does not know (filters,
+    the index at the start, chunks split along more than the token axis): those arrays are written
+    through zarr."""
 
     def __init__(self, chunk_rows: int, n_chunks: int, steps: list):
         self.chunk_rows, self.n_chunks, self.steps = chunk_rows, n_chunks, steps
