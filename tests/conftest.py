@@ -26,17 +26,22 @@ def start_group(cmd: list[str], **env) -> subprocess.Popen:
                             start_new_session=True)
 
 
+def proc_stat(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (state, ppid, ...); None once gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
 def process_tree(pid: int) -> list[int]:
     """pid and every process below it, from /proc's parent links. A process group is not enough:
     torchrun starts each rank in a session of its own, so signalling torchrun's group left the
     ranks running, holding the stderr pipe, with their stacks unprinted."""
     children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(stat.parent.name))
+    for d in Path("/proc").glob("[0-9]*"):
+        if (fields := proc_stat(int(d.name))) is not None:
+            children.setdefault(int(fields[1]), []).append(int(d.name))
     out, todo = [], [pid]
     while todo:
         out.append(todo.pop())

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from conftest import finish_groups, process_tree, start_group
+from conftest import finish_groups, proc_stat, process_tree, start_group
 
 
 def test_a_hung_torchrun_reports_every_rank_and_leaves_nothing(tmp_path):
@@ -35,8 +35,4 @@ def test_a_hung_torchrun_reports_every_rank_and_leaves_nothing(tmp_path):
 
 def _running(pid: int) -> bool:
     """Alive and not a zombie waiting for its new parent to reap it."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    return (fields := proc_stat(pid)) is not None and fields[0] != "Z"
