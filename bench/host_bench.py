@@ -9,10 +9,10 @@ Each row writes (then reads back whole) the same units (synthetic features with 
 structure of hidden states: a few outlier channels, the rest near N(0, 1)) through the worker's own
 writers (extract/writers.py): tN = N writer threads in this process, pN = N writer processes over
 the shared unit buffers; zKIND = the same with zarr writing each shard (shared/store.py's
-ShardEncoder off), the baseline of the encoder. The buffers are filled once and not cleared between units (clearing is
-the only step left out). Goal (issue 11): >= 2 GB/s of raw bf16 features per GPU with the cores
-one GPU has on an 8-GPU host. "cores busy" = CPU time of this process and the writer processes /
-wall time.
+ShardEncoder off), the baseline of the encoder. The buffers are filled once and not cleared
+between units (clearing is the only step left out). Goal (issue 11): >= 2 GB/s of raw bf16
+features per GPU with the cores one GPU has on an 8-GPU host. "cores busy" = CPU time of this
+process and the writer processes / wall time.
 """
 
 from __future__ import annotations
@@ -209,7 +209,8 @@ def main():
         os.environ.pop("DFLASH_ZARR_SHARDS", None)
         if zarr_shards:  # read by the store in this process and in writer processes started from here
             os.environ["DFLASH_ZARR_SHARDS"] = "1"
-        procs, W = kind.lstrip("z")[0] == "p", int(kind.lstrip("z")[1:])
+        writers = kind.removeprefix("z")
+        procs, W = writers[0] == "p", int(writers[1:])
         store = server.url(f"hbench/store-{kind}") if server else str(tmp / f"store-{kind}")
         as_location(store).delete_all()
         cfg.store = store
