@@ -2,9 +2,10 @@
 
 DATA is a .jsonl/.json/.parquet file, a glob of them, a folder of them, or a folder written by
 `datasets.save_to_disk`. Rows are chats (`messages` or `conversations`; role/content or ShareGPT
-from/value) rendered with the target's chat template, or plain `text`. The loss mask covers the
-assistant tokens and the end-of-turn token that closes each assistant turn; for plain text it
-covers every token.
+from/value; reasoning as `reasoning_content`, `reasoning` or inline <think>) rendered with the
+target's chat template, or plain `text`. A chat's loss covers what the model writes in each
+assistant turn, through its end-of-turn token, after exactly the context serving gives it
+(shared/chat.py); a multi-turn chat may become several samples. Plain text: every token.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Iterator
 
 import numpy as np
 
-from shared.target import end_of_turn
+from shared.chat import ChatError, ChatRenderer, ChatSamples, Sample
 
 SUFFIXES = (".jsonl", ".json", ".parquet")
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
@@ -50,14 +51,33 @@ class Encoded:
 @dataclass
 class Report:
     rows: int = 0
-    kept: int = 0
-    truncated: int = 0
+    kept: int = 0                 # rows with at least one sample
+    samples: int = 0
+    truncated: int = 0            # samples cut at the max length
+    turns: int = 0                # assistant turns trained (chat rows)
+    turns_split: int = 0          # trained in a sample with their own serving context
+    turns_context: int = 0        # kept as context without loss (--inexact-turns context)
+    split_tokens: int = 0         # tokens of those extra samples: what splitting costs
     skipped: Counter = field(default_factory=Counter)
     examples: dict = field(default_factory=dict)  # reason -> first message
 
     def skip(self, err: RowError):
         self.skipped[err.reason] += 1
         self.examples.setdefault(err.reason, str(err))
+
+    def add(self, chat: ChatSamples, samples: int, truncated: int):
+        self.kept += 1
+        self.samples += samples
+        self.truncated += truncated
+        self.turns += chat.turns
+        self.turns_split += chat.split
+        self.turns_context += chat.context
+        self.split_tokens += chat.split_tokens
+
+    def to_dict(self) -> dict:
+        return {"rows": self.rows, "kept": self.kept, "samples": self.samples, "truncated": self.truncated,
+                "turns": self.turns, "turns_split": self.turns_split, "turns_context": self.turns_context,
+                "split_tokens": self.split_tokens, "skipped": dict(self.skipped), "examples": self.examples}
 
 
 def _is_saved_dataset(p: Path) -> bool:
@@ -232,48 +252,46 @@ def normalize_chat(row: dict, where: str, require_assistant: bool = True) -> lis
         if content is None and "tool_calls" not in msg:
             raise RowError("bad_field", where, f"field {key}[{i}] has no content")
         msg["content"] = "" if content is None else _content(content, where, i)
-        for extra in ("name", "tool_call_id", "reasoning_content"):
+        for extra in ("name", "tool_call_id"):
             if isinstance(m.get(extra), str):
                 msg[extra] = m[extra]
+        # reasoning: `reasoning_content` (transformers, SGLang, older vLLM) or `reasoning` (newer vLLM,
+        # which hands it to the template as reasoning_content too)
+        reasoning = next((m[k] for k in ("reasoning_content", "reasoning") if isinstance(m.get(k), str)), None)
+        if reasoning is not None and role == "assistant":
+            msg["reasoning_content"] = reasoning
         out.append(msg)
     if not require_assistant:
         return out
     if not any(m["role"] == "assistant" for m in out):
         raise RowError("no_assistant_turn", where, f"field '{key}' has no assistant turn")
-    if all(not m["content"].strip() and "tool_calls" not in m for m in out if m["role"] == "assistant"):
+    if all(not m["content"].strip() and "tool_calls" not in m and not m.get("reasoning_content", "").strip()
+           for m in out if m["role"] == "assistant"):
         raise RowError("empty_conversation", where, "every assistant turn is empty")
     return out
 
 
 class Encoder:
-    """Renders and tokenizes rows for one tokenizer, with the chat template options
-    (`template_kwargs`, e.g. {"enable_thinking": False}) that serving will use."""
+    """Rows -> token samples with loss masks, for one tokenizer, with the chat template options
+    serving uses (`template_kwargs`, e.g. {"enable_thinking": False}). Chats go through
+    shared/chat.py: each assistant turn is trained after exactly its serving context;
+    `inexact`/`drop_reasoning` are its options."""
 
-    def __init__(self, tokenizer, max_len: int, too_long: str, template_kwargs: dict | None = None):
+    def __init__(self, tokenizer, max_len: int, too_long: str, template_kwargs: dict | None = None,
+                 inexact: str = "split", drop_reasoning: bool = False):
         self.tok = tokenizer
         self.max_len, self.too_long = max_len, too_long
-        self.template_kwargs = dict(template_kwargs or {})
-        self.eot = end_of_turn(tokenizer)[0]
-
-    def _apply(self, msgs, where: str, **kw) -> str:
-        try:
-            return self.tok.apply_chat_template(msgs, tokenize=False, **self.template_kwargs, **kw)
-        except Exception as e:  # a template that rejects the conversation (e.g. role order)
-            raise RowError("template_error", where, f"chat template failed: {e}") from None
+        self.chat = ChatRenderer(tokenizer, template_kwargs, inexact, drop_reasoning)
 
     def prompt(self, msgs: list[dict], tools=None) -> str:
         """The text the target sees before it writes the next assistant turn."""
-        return self._apply(msgs, "prompt", add_generation_prompt=True, **({"tools": tools} if tools else {}))
+        try:
+            return self.chat.prompt(msgs, tools)
+        except ChatError as e:
+            raise RowError(e.reason, "prompt", str(e)) from None
 
-    def render(self, row: dict, where: str) -> tuple[str, list[tuple[int, int]] | None]:
-        """Text to tokenize and the character spans that carry loss (None: all of it).
-
-        An assistant turn's loss span is what the model writes there: the render of the
-        conversation up to and including the turn, minus the render of the conversation before
-        it with the generation prompt (so tool calls, and whatever the template puts in the
-        prompt such as an empty think block, land on the right side), cut after its end-of-turn
-        token. Templates that render earlier turns otherwise than the last one (Qwen3 drops old
-        reasoning) fall back to the turn's own content, found verbatim."""
+    def render(self, row: dict, where: str) -> ChatSamples:
+        """A row's samples as token ids and loss runs (a plain text row: one sample, all loss)."""
         if not isinstance(row, dict):
             raise RowError("bad_field", where, f"row is a {type(row).__name__}, not an object")
         msgs = normalize_chat(row, where)
@@ -283,85 +301,62 @@ class Encoder:
                 raise RowError("bad_field", where, "field 'text' is not a string")
             if not text.strip():
                 raise RowError("empty_conversation", where, "field 'text' is empty")
-            return text, None
+            ids = self.chat.ids(text)
+            return ChatSamples([Sample(ids, [(0, len(ids))])], 0)
         tools = row.get("tools")
         if tools is not None and not isinstance(tools, list):
             raise RowError("bad_field", where, "field 'tools' is not a list")
-        kw = {"tools": tools} if tools else {}
-        text = self._apply(msgs, where, **kw)
-        spans, cursor = [], 0
-        for i, m in enumerate(msgs):
-            if m["role"] != "assistant":
-                continue
-            for call in m.get("tool_calls", ()):
-                if call["function"]["name"] not in text:
-                    raise RowError("template_error", where, "the chat template does not render tool calls "
-                                                            f"(messages[{i}] calls {call['function']['name']!r})")
-            before = self._apply(msgs[:i], where, add_generation_prompt=True, **kw)
-            upto = self._apply(msgs[:i + 1], where, **kw)
-            seg = upto[len(before):] if upto.startswith(before) else ""
-            start = text.find(seg, cursor) if seg.strip() else -1
-            if start >= 0:
-                cut = seg.rfind(self.eot) if self.eot else -1
-                end = start + (cut + len(self.eot) if cut >= 0 else len(seg.rstrip()))
-            else:
-                if not m["content"]:
-                    if "tool_calls" in m:
-                        raise RowError("template_error", where, f"messages[{i}]: the tool call's text cannot "
-                                                                "be located in the rendered chat")
-                    continue
-                start = text.find(m["content"], cursor)
-                if start < 0:
-                    raise RowError("template_error", where, "assistant content not found verbatim in the "
-                                                            "rendered chat (the template rewrites it)")
-                end = start + len(m["content"])
-                if self.eot and text.startswith(self.eot, end):
-                    end += len(self.eot)  # the end-of-turn token is what the drafter must learn to stop on
-            spans.append((start, end))
-            cursor = end
-        return text, spans
+        try:
+            out = self.chat.samples(msgs, tools)
+        except ChatError as e:
+            raise RowError(e.reason, where, str(e)) from None
+        if not out.samples:
+            raise RowError("no_loss_tokens", where, "no assistant turn answers a user message")
+        return out
 
-    def encode(self, row: dict, where: str) -> tuple[np.ndarray, np.ndarray, bool]:
-        text, spans = self.render(row, where)
-        enc = self.tok(text, add_special_tokens=False, return_offsets_mapping=spans is not None)
-        ids = np.asarray(enc["input_ids"], dtype=np.int32)
-        if spans is None:
-            mask = np.ones(len(ids), dtype=np.uint8)
-        else:
-            offs = np.asarray(enc["offset_mapping"], dtype=np.int64).reshape(-1, 2)
+    def encode(self, row: dict, where: str) -> tuple[list[tuple[np.ndarray, np.ndarray, bool]], ChatSamples]:
+        """[(input_ids int32, loss_mask uint8, truncated)] per sample, and the row's chat counts.
+        A sample left without two consecutive loss tokens by truncation is dropped."""
+        rendered = self.render(row, where)
+        out, cut = [], False
+        for s in rendered.samples:
+            ids = np.asarray(s.ids, dtype=np.int32)
             mask = np.zeros(len(ids), dtype=np.uint8)
-            for s, e in spans:
-                mask |= ((offs[:, 0] < e) & (offs[:, 1] > s)).astype(np.uint8)
-        truncated = False
-        if len(ids) > self.max_len:
-            if self.too_long == "skip":
-                raise RowError("too_long", where, f"{len(ids)} tokens > max length {self.max_len}")
-            ids, mask, truncated = ids[:self.max_len], mask[:self.max_len], True
-        # A drafter needs a position p with loss at p and p+1 (docs/DESIGN.md, "The training step").
-        if not (mask[:-1] & mask[1:]).any():
+            for a, b in s.runs:
+                mask[a:b] = 1
+            truncated = len(ids) > self.max_len
+            cut |= truncated
+            if truncated:
+                if self.too_long == "skip":
+                    raise RowError("too_long", where, f"{len(ids)} tokens > max length {self.max_len}")
+                ids, mask = ids[:self.max_len], mask[:self.max_len]
+            # A drafter needs a position p with loss at p and p+1 (docs/DESIGN.md, "The training step").
+            if (mask[:-1] & mask[1:]).any():
+                out.append((ids, mask, truncated))
+        if not out:
             raise RowError("no_loss_tokens", where, "fewer than 2 consecutive assistant tokens"
-                                                    + (" after truncation" if truncated else ""))
-        return ids, mask, truncated
+                                                    + (" after truncation" if cut else ""))
+        return out, rendered
 
 
 def encode_all(data: str, tokenizer, max_len: int, too_long: str, progress: bool = True,
-               template_kwargs: dict | None = None):
-    """Every usable row of DATA, encoded, with a report of what was skipped and why."""
+               template_kwargs: dict | None = None, inexact: str = "split", drop_reasoning: bool = False):
+    """Every usable row of DATA, encoded (one or more samples each), with a report of what was
+    skipped and why and what the chats cost in samples."""
     from shared.progress import progress_bar
     files = resolve(data)
-    enc, report, out = Encoder(tokenizer, max_len, too_long, template_kwargs), Report(), []
+    enc, report, out = Encoder(tokenizer, max_len, too_long, template_kwargs, inexact, drop_reasoning), Report(), []
     for fi, ri, where, row in progress_bar(iter_rows(files), desc="tokenize", unit=" rows", disable=not progress):
         report.rows += 1
         try:
             if isinstance(row, RowError):
                 raise row
-            ids, mask, truncated = enc.encode(row, where)
+            samples, chat = enc.encode(row, where)
         except RowError as e:
             report.skip(e)
             continue
-        report.kept += 1
-        report.truncated += truncated
-        out.append(Encoded(ids, mask, fi, ri))
+        report.add(chat, len(samples), sum(t for _, _, t in samples))
+        out += [Encoded(ids, mask, fi, ri) for ids, mask, _ in samples]
     if not out:
         detail = "; ".join(f"{k}: {v} (e.g. {report.examples[k]})" for k, v in report.skipped.items())
         raise DataError(f"DATA {data}: no usable rows out of {report.rows}" + (f" ({detail})" if detail else ""))

@@ -685,6 +685,10 @@ class Store:
         workers and verify, never for opening a store."""
         return {name.split("/")[1]: self.array(name)[:] for name in INDEX_ARRAYS}
 
+    def sources(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray]:
+        """(file, row) of samples lo..hi-1: the samples one chat row was split into are adjacent."""
+        return self.array("index/file")[lo:hi], self.array("index/row")[lo:hi]
+
     def unit_tokens(self, unit: int) -> np.ndarray:
         return self.unit_array("tokens/input_ids", unit)
 

@@ -169,7 +169,7 @@ def train_target(path: Path, rows: list[dict], steps: int = 250, seq_len: int = 
     seqs = []
     for i, r in enumerate(rows):
         try:
-            seqs.append(torch.from_numpy(enc.encode(r, f"row {i}")[0].astype("int64")))
+            seqs += [torch.from_numpy(ids.astype("int64")) for ids, _, _ in enc.encode(r, f"row {i}")[0]]
         except RowError:
             continue
     test, train = seqs[:held_out], seqs[held_out:]

@@ -55,9 +55,9 @@ def test_tool_calls_and_results_render_through_the_template(tiny, empty):
         {"role": "assistant", "content": "It is sunny in Paris."}]}
     tok = tiny["tokenizer"]
     enc = Encoder(tok, 512, "truncate")
-    text, _ = enc.render(row, "r")
+    text = tok.decode(enc.render(row, "r").samples[0].ids)
     assert "<tools>" in text and '"get_weather"' in text and "<tool_response>\nsunny, 21C\n</tool_response>" in text
-    ids, mask, _ = enc.encode(row, "r")
+    [(ids, mask, _)], _ = enc.encode(row, "r")
     # loss on what the assistant writes: its tool call and its answer, each with <|im_end|>
     assert mask_runs(tok, ids, mask) == [
         '\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>',
@@ -80,11 +80,11 @@ def test_a_template_without_tool_support_is_refused_not_dropped(tiny):
 def test_chat_template_kwargs_render_mask_manifest_and_resume(tiny, tmp_path):
     tok = tiny["tokenizer"]
     off = Encoder(tok, 512, "truncate", {"enable_thinking": False})
-    text, _ = off.render(CHAT, "r")
+    text = tok.decode(off.render(CHAT, "r").samples[0].ids)
     assert "<|im_start|>assistant\n<think>\n\n</think>\n\nhi there friend" in text
-    ids, mask, _ = off.encode(CHAT, "r")
+    [(ids, mask, _)], _ = off.encode(CHAT, "r")
     assert mask_runs(tok, ids, mask) == ["hi there friend<|im_end|>"]  # the empty think block is prompt
-    assert "<think>" not in Encoder(tok, 512, "truncate").render(CHAT, "r")[0]
+    assert "<think>" not in tok.decode(Encoder(tok, 512, "truncate").render(CHAT, "r").samples[0].ids)
     # the CLI takes the JSON, the manifest records it, a resume with other options refuses
     store = tmp_path / "s"
     args = ["--data", str(tiny["corpus"]), "--target", str(tiny["target"]), "--store", str(store), "--layers",

@@ -25,27 +25,28 @@ CHAT = {"messages": [{"role": "system", "content": "be brief"},
 
 def test_loss_mask_covers_assistant_turns_and_their_end_token(tiny):
     enc = Encoder(tiny["tokenizer"], max_len=512, too_long="truncate")
-    ids, mask, truncated = enc.encode(CHAT, "row")
+    [(ids, mask, truncated)], chat = enc.encode(CHAT, "row")
     tok = tiny["tokenizer"]
     assert not truncated
     # The masked tokens, decoded run by run, are exactly the assistant turns plus <|im_end|>.
     assert mask_runs(tok, ids, mask) == ["hi there friend<|im_end|>", "hello again<|im_end|>"]
+    assert (chat.turns, chat.split) == (2, 0)  # this template renders history as served: one sample
 
 
 def test_sharegpt_and_text_rows(tiny):
     enc = Encoder(tiny["tokenizer"], max_len=512, too_long="truncate")
     share = {"conversations": [{"from": "human", "value": "say hi"}, {"from": "gpt", "value": "hi there friend"}]}
     plain = {"messages": [{"role": "user", "content": "say hi"}, {"role": "assistant", "content": "hi there friend"}]}
-    a, ma, _ = enc.encode(share, "r")
-    b, mb, _ = enc.encode(plain, "r")
+    [(a, ma, _)], _ = enc.encode(share, "r")
+    [(b, mb, _)], _ = enc.encode(plain, "r")
     assert np.array_equal(a, b) and np.array_equal(ma, mb)
-    ids, mask, _ = enc.encode({"text": "def f(x):\n    return x"}, "r")
+    [(ids, mask, _)], _ = enc.encode({"text": "def f(x):\n    return x"}, "r")
     assert mask.all() and len(ids) > 2
 
 
 def test_too_long_truncate_and_skip(tiny):
     row = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "word " * 200}]}
-    ids, mask, truncated = Encoder(tiny["tokenizer"], 32, "truncate").encode(row, "r")
+    [(ids, mask, truncated)], _ = Encoder(tiny["tokenizer"], 32, "truncate").encode(row, "r")
     assert truncated and len(ids) == 32 and mask.sum() > 2
     with pytest.raises(RowError) as e:
         Encoder(tiny["tokenizer"], 32, "skip").encode(row, "f.jsonl line 3")
