@@ -169,8 +169,9 @@ def speculative(target: Target, propose, prompt: list[int], max_new: int, eos: i
 
 
 def prompts_from(data: str, tokenizer, n: int, max_prompt: int, template_kwargs: dict | None = None) -> list[list[int]]:
-    """The last n usable chat rows of DATA, cut before their first assistant turn, rendered with
-    the chat template options the store was extracted with (serving must use the same)."""
+    """The last n usable chat rows of DATA, each cut before its last assistant turn and rendered
+    as serving renders that turn's prompt (the earlier turns as the template shows history, with
+    the chat template options the store was extracted with: serving must use the same)."""
     from shared.data import Encoder, RowError, iter_rows, normalize_chat, resolve
     enc = Encoder(tokenizer, max_prompt, "truncate", template_kwargs)
     rows = []
@@ -181,8 +182,8 @@ def prompts_from(data: str, tokenizer, n: int, max_prompt: int, template_kwargs:
             msgs = normalize_chat(row, where)
             if msgs is None:
                 continue
-            first = next(i for i, m in enumerate(msgs) if m["role"] == "assistant")
-            text = enc.prompt(msgs[:first], row.get("tools"))
+            last = max(i for i, m in enumerate(msgs) if m["role"] == "assistant")
+            text = enc.prompt(msgs[:last], row.get("tools"))
         except RowError:
             continue
         rows.append(tokenizer(text, add_special_tokens=False)["input_ids"][-max_prompt:])

@@ -25,6 +25,14 @@ class ExtractConfig:
     chat_template_kwargs: dict = opt(help="JSON object passed to the chat template, as serving passes it, e.g. "
                                           "'{\"enable_thinking\": false}'; recorded in the manifest",
                                      parse=parse_json_object, default_factory=dict)
+    inexact_turns: Literal["split", "context"] = opt("split", "assistant turns that the row's one render does not "
+                                                              "show as serving does (templates that drop earlier "
+                                                              "turns' reasoning): split = a sample of their own "
+                                                              "with their serving context; context = kept without "
+                                                              "loss in the row's sample")
+    strip_reasoning: bool = opt(False, "drop the reasoning of assistant turns (reasoning_content, inline "
+                                       "<think>); without it a row with reasoning is refused as thinking_mismatch "
+                                       "when the template options turn thinking off")
     precision: Literal["bf16", "fp8"] = opt("bf16", "bf16 (lossless) or fp8 (e4m3, a float32 scale per token and layer)")
     codec: str = opt("zstd1", f"compressor of the hidden states: {', '.join(CODECS)}")
     topk: int = opt(16, "top-k of the target's distribution kept per token")
@@ -58,6 +66,8 @@ class ExtractConfig:
     def validate(self):
         if self.too_long not in ("truncate", "skip"):
             raise ValueError(f"--too-long must be 'truncate' or 'skip', not {self.too_long!r}")
+        if self.inexact_turns not in ("split", "context"):
+            raise ValueError(f"--inexact-turns must be 'split' or 'context', not {self.inexact_turns!r}")
         if self.precision not in ("bf16", "fp8"):
             raise ValueError(f"--precision must be 'bf16' or 'fp8', not {self.precision!r}")
         if self.codec not in CODECS:
@@ -81,4 +91,5 @@ class ExtractConfig:
     def run_key(self) -> dict:
         """Settings that change the store's contents: a resumed run must match them."""
         return {k: getattr(self, k) for k in ("max_len", "too_long", "precision", "codec", "topk",
-                                              "shard_tokens", "chunk_tokens", "chat_template_kwargs")}
+                                              "shard_tokens", "chunk_tokens", "chat_template_kwargs",
+                                              "inexact_turns", "strip_reasoning")}

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from shared.chat import THINK_END, split_reasoning
 from shared.cli import opt, parse_gpus, parse_json_object
 from shared.data import DataError, Encoder, RowError, describe, iter_rows, normalize_chat, resolve
 from shared.progress import log, progress_bar
@@ -96,6 +97,14 @@ class Reply:
     tokens: int
     tool_calls: list | None = None
     error: tuple[str, str] | None = None  # (reason, message) when the row cannot be answered
+    reasoning: str | None = None  # the turn's thinking, apart from its content (as templates take it back)
+
+    @classmethod
+    def of_text(cls, text: str, finish_reason: str, tokens: int) -> "Reply":
+        """A locally generated turn: thinking the model closed with </think> (after a generation
+        prompt that opened it) becomes reasoning_content, as a server's reasoning parser returns it."""
+        reasoning, content = split_reasoning(text)
+        return cls(content, finish_reason, tokens, reasoning=reasoning if THINK_END in text else None)
 
 
 @dataclass
@@ -133,6 +142,7 @@ class Job:
             self.error = r.error
             return
         self.done = self.prompt() + [{"role": "assistant", "content": r.text,
+                                      **({"reasoning_content": r.reasoning} if r.reasoning is not None else {}),
                                       **({"tool_calls": r.tool_calls} if r.tool_calls else {})}]
         self.reasons.append(r.finish_reason)
         self.tokens += r.tokens
@@ -197,7 +207,8 @@ class LocalEngine:
             ids.append(x)
             where.append(i)
         for i, (new, stop) in zip(where, self.generate_ids(ids, seed) if ids else []):
-            out[i] = Reply(self.tok.decode(new, skip_special_tokens=False), "stop" if stop else "length", len(new) + stop)
+            out[i] = Reply.of_text(self.tok.decode(new, skip_special_tokens=False), "stop" if stop else "length",
+                                   len(new) + stop)
         return out  # type: ignore[return-value]
 
     def generate_ids(self, ids: list[list[int]], seed: int) -> list[tuple[list[int], bool]]:
@@ -259,7 +270,12 @@ class OpenAIEngine:
                 msg = choice.get("message") or {}
                 reason = "length" if choice.get("finish_reason") == "length" else "stop"
                 tokens = (ans.get("usage") or {}).get("completion_tokens", 0)
-                return Reply(msg.get("content") or "", reason, int(tokens), msg.get("tool_calls") or None)
+                # a server with a reasoning parser returns the thinking apart (reasoning_content, or
+                # reasoning in newer vLLM): kept, or the turn would be trained without it
+                reasoning = next((msg[k] for k in ("reasoning_content", "reasoning") if isinstance(msg.get(k), str)),
+                                 None)
+                return Reply(msg.get("content") or "", reason, int(tokens), msg.get("tool_calls") or None,
+                             reasoning=reasoning)
             except urllib.error.HTTPError as e:
                 err = f"HTTP {e.code}: {e.read()[:200]!r}"
                 if e.code != 429 and e.code < 500:  # this row refused (too long, bad tools): retrying changes nothing

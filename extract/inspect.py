@@ -100,13 +100,18 @@ def main(argv=None) -> int:
         print(f"layers     {info['layer_ids']}  ({info['layer_convention']})")
         print(f"features   {info['precision']}  codec {info['codec']}  top-k {info['topk']}  "
               f"max len {info['max_len']} ({info['too_long']})")
-        print(f"template   chat_template_kwargs {json.dumps(info['chat_template_kwargs'])}")
+        print(f"template   chat_template_kwargs {json.dumps(info['chat_template_kwargs'])}  inexact turns "
+              f"{info['run_key'].get('inexact_turns', 'split')}  strip reasoning "
+              f"{info['run_key'].get('strip_reasoning', False)}")
         print(f"layout     {lay['n_samples']:,} samples in {lay['n_units']} units of {lay['shard_tokens']:,} "
               f"tokens, chunks of {lay['chunk_tokens']} tokens")
         print(f"data       {info['data']['spec']}  ({len(info['data']['files'])} file(s))")
         if info.get("summary"):
             sm = info["summary"]
             print(f"summary    {sm['samples']:,} samples  {sm['tokens']:,} tokens  skipped {sm['skipped'] or 'none'}")
+            if sm.get("turns"):
+                print(f"turns      {sm['turns']:,} trained  {sm['turns_split']:,} split ({sm['split_tokens']:,} "
+                      f"tokens)  {sm['turns_context']:,} context only")
             print(f"disk       {info['disk_bytes'] / 2**20:,.1f} MiB  {sm['bytes_per_token']} B/token  "
                   f"{sm['compression_vs_raw_bf16']}x vs raw bf16")
     if a.verify:

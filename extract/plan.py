@@ -38,9 +38,8 @@ def by_length(lengths: list[int]) -> np.ndarray:
 def plan(cfg: ExtractConfig, manifest: st.Manifest, tokenizer, n_layers: int, hidden: int, planner: dict | None = None):
     """Tokenize DATA and create the store with its tokens and index."""
     _, encoded, report = encode_all(cfg.data, tokenizer, cfg.max_len, cfg.too_long, cfg.progress,
-                                    cfg.chat_template_kwargs)
-    manifest.data.report = {"rows": report.rows, "kept": report.kept, "truncated": report.truncated,
-                            "skipped": dict(report.skipped), "examples": report.examples}
+                                    cfg.chat_template_kwargs, cfg.inexact_turns, cfg.strip_reasoning)
+    manifest.data.report = report.to_dict()
     write_plan(cfg, manifest, encoded, n_layers, hidden, planner)
     for reason, n in sorted(report.skipped.items()):
         log(f"skipped {n} row(s): {reason}; first: {report.examples[reason]}")

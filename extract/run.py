@@ -143,6 +143,8 @@ def finalize(cfg: ExtractConfig, seconds: float) -> dict:
     summary = {
         "samples": layout.n_samples - len(dropped), "tokens": int(kept_tokens),
         "rows_read": report["rows"], "truncated": report["truncated"],
+        # chats: turns trained, and what training each as served cost (stores older than these keys lack them)
+        **{k: report[k] for k in ("turns", "turns_split", "turns_context", "split_tokens") if k in report},
         "skipped": {**report["skipped"], **({"nan_features": len(dropped)} if dropped else {})},
         "bytes_on_disk": disk, "bytes_per_token": round(disk / max(tokens, 1), 1),
         "compression_vs_raw_bf16": round(raw / max(disk, 1), 3),
@@ -314,6 +316,10 @@ def print_summary(summary: dict, seconds: float):
     print(f"samples {summary['samples']:,}  tokens {tok:,}  rows read {summary['rows_read']:,}  "
           f"truncated {summary['truncated']:,}")
     print("skipped rows: " + (", ".join(f"{k} {v}" for k, v in summary["skipped"].items()) or "none"))
+    if summary.get("turns"):
+        print(f"assistant turns trained {summary['turns']:,}: {summary['turns_split']:,} in samples of their own "
+              f"serving context ({summary['split_tokens']:,} tokens), {summary['turns_context']:,} kept as context "
+              f"only (docs/DESIGN.md, 'Chat turns')")
     print(f"on disk {summary['bytes_on_disk'] / 2**20:,.1f} MiB  {summary['bytes_per_token']:,.1f} B/token  "
           f"compression vs raw bf16 {summary['compression_vs_raw_bf16']:.2f}x")
     if seconds > 0:

@@ -168,7 +168,9 @@ class Handler(BaseHTTPRequestHandler):
             self.wfile.write(b'{"error": "prompt too long"}')
             return
         text = f"echo: {last}"[:40]
-        ans = {"choices": [{"message": {"role": "assistant", "content": text},
+        # a server with a reasoning parser: the thinking apart from the content (newer vLLM: `reasoning`)
+        thought = {"reasoning": f"thinking about {last}"} if last.startswith("think") else {}
+        ans = {"choices": [{"message": {"role": "assistant", "content": text, **thought},
                             "finish_reason": "length" if "second" in last else "stop"}],
                "usage": {"completion_tokens": len(text.split())}}
         data = json.dumps(ans).encode()
@@ -230,3 +232,35 @@ def test_openai_engine_gives_up_with_a_clear_error(data, tmp_path):
     with pytest.raises(RegenError, match=r"127.0.0.1:9/v1/chat/completions: request failed after 2 attempt"):
         run(c)
     assert not list((tmp_path / "o").glob("part-*"))
+
+
+def test_openai_engine_keeps_the_servers_reasoning_and_extraction_trains_it(tiny, tmp_path):
+    """The thinking a reasoning parser returns apart is kept as reasoning_content, each later turn
+    is asked with it in its history, and the rows extract with every turn as served."""
+    import copy
+
+    from test_chat_turns import QWENLIKE, served, trained
+    d = tmp_path / "d.jsonl"
+    d.write_text(json.dumps({"messages": [{"role": "user", "content": "think of a number"},
+                                          {"role": "assistant", "content": "old"},
+                                          {"role": "user", "content": "think again"},
+                                          {"role": "assistant", "content": "old too"}]}) + "\n")
+    srv = FakeServer()
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        run(RegenConfig(data=str(d), out=str(tmp_path / "o"), engine="openai", model="m", progress=False,
+                        turns="all", base_url=f"http://127.0.0.1:{srv.server_address[1]}/v1"))
+    finally:
+        srv.shutdown()
+    msgs = rows_of(tmp_path / "o")[0]["messages"]
+    assert msgs[1] == {"role": "assistant", "content": "echo: think of a number",
+                       "reasoning_content": "thinking about think of a number"}
+    assert msgs[3]["reasoning_content"] == "thinking about think again"
+    second = [r for r in srv.requests if r["messages"][-1]["content"] == "think again"][-1]
+    assert second["messages"][1]["reasoning_content"] == "thinking about think of a number"
+    tok = copy.deepcopy(tiny["tokenizer"])
+    tok.chat_template = QWENLIKE
+    row = rows_of(tmp_path / "o")[0]
+    assert trained(tok, row) == served(tok, row) and len(served(tok, row)) == 2
+    _, samples, report = encode_all(str(tmp_path / "o"), tok, 4096, "truncate", progress=False)
+    assert len(samples) == 2 and not report.skipped and report.turns_split == 1

@@ -245,7 +245,8 @@ class TrainConfig:
     log_every: int = opt(10, "steps per metrics record")
     save_every: int = opt(200, "steps per checkpoint")
     eval_every: int = opt(0, "steps per held-out offline tau estimate")
-    eval_samples: int = opt(0, "the store's last N samples, held out for the offline tau")
+    eval_samples: int = opt(0, "the store's last N samples (widened to whole source rows), held out "
+                                       "for the offline tau")
     loss_chunk: int = opt(4096, "rows per LM-head chunk in the loss")
     online: bool = opt(False, "baseline: run the target in every step instead of reading features")
     skip_nonfinite: bool = opt(False, "skip a step whose gradient is not finite (counted) instead of stopping")

@@ -108,8 +108,7 @@ def build_run(cfg: TrainConfig, rank: int, world: int, device: torch.device) -> 
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay, fused=cuda)
 
     # data and schedule: the last eval_samples samples are held out
-    n = len(store)
-    held = list(range(n - cfg.eval_samples, n)) if cfg.eval_samples else []
+    held = held_out(store, cfg.eval_samples)
     plan = EpochPlan(store, cfg.seq_len, cfg.seed, rank, world, exclude=held)
     spec = RowSpec(tuple(dcfg.target_layer_ids), cfg.seq_len, A, cfg.seed, cfg.labels == "distill")
     rows_per_step = cfg.micro_batch * cfg.grad_accum
@@ -154,3 +153,17 @@ def resume(run: Run):
     torch.set_rng_state(ck["rng"])
     run.step, run.history, run.best = ck["step"], ck["history"], ck.get("best")
     log(f"resumed from step {run.step}")
+
+
+def held_out(store: Store, n_eval: int) -> list[int]:
+    """The store's last n_eval samples, widened to whole source rows: the samples a multi-turn
+    chat was split into share their context, so they are held out together or trained together."""
+    n = len(store)
+    if not n_eval:
+        return []
+    lo = max(n - n_eval, 0)
+    if lo:
+        files, rows = store.sources(0, n)
+        while lo > 0 and rows[lo - 1] == rows[lo] and files[lo - 1] == files[lo]:
+            lo -= 1
+    return list(range(lo, n))
