@@ -61,7 +61,7 @@ extract: venv $(if $(filter build/%,$(TARGET) $(DATA)),build/tiny-target/tiny_tr
 # The target writes the assistant turns of DATA (the DFlash data recipe): a DATA folder for extract.
 # OUT given on the command line is the output folder; otherwise $(REGEN_DIR).
 regenerate: venv $(if $(filter build/%,$(TARGET) $(DATA)),build/tiny-target/tiny_training.json)
-	$(BIN)/python -m extract.regenerate --data "$(DATA)" --target "$(TARGET)" \
+	$(BIN)/python -m regenerate --data "$(DATA)" --target "$(TARGET)" \
 		--out "$(if $(filter command line,$(origin OUT)),$(OUT),$(REGEN_DIR))" --gpus "$(GPUS)" \
 		--chat-template-kwargs '$(CHAT_TEMPLATE_KWARGS)' $(REGEN_ARGS)
 
@@ -89,7 +89,7 @@ ablate: venv
 # The whole recipe on the built-in default: the target regenerates the corpus's answers ->
 # store -> verify -> drafter -> real decoding on held-out prompts.
 demo: venv build/tiny-target/tiny_training.json
-	$(BIN)/python -m extract.regenerate --data "$(DATA)" --target "$(TARGET)" --out "$(REGEN_DIR)" --gpus "$(GPUS)" \
+	$(BIN)/python -m regenerate --data "$(DATA)" --target "$(TARGET)" --out "$(REGEN_DIR)" --gpus "$(GPUS)" \
 		--chat-template-kwargs '$(CHAT_TEMPLATE_KWARGS)' $(DEMO_REGEN) $(REGEN_ARGS)
 	$(BIN)/python -m extract --data "$(REGEN_DIR)" --target "$(TARGET)" --store "$(STORE)" --gpus "$(GPUS)" \
 		--chat-template-kwargs '$(CHAT_TEMPLATE_KWARGS)' $(DEMO_EXTRACT) $(EXTRACT_ARGS)

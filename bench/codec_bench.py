@@ -21,7 +21,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from numcodecs import LZ4, Blosc, Shuffle, Zstd  # noqa: E402
 
-from shared.store import Store, bits_to_bf16, fp8_encode  # noqa: E402
+from shared.schema import bits_to_bf16, fp8_encode  # noqa: E402
+from shared.store import Store  # noqa: E402
 
 
 def codecs(itemsize):

@@ -28,6 +28,7 @@ baselines run after it, warm.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import inspect
 import json
@@ -49,15 +50,47 @@ import torch
 from shapes import random_target, synthetic_manifest, target_27b_config  # noqa: E402  (adds the repo to sys.path)
 
 from extract.config import ExtractConfig
+from extract.observer import Observer
 from extract.plan import assign_units, by_length, write_plan
 from extract.worker import Worker, plan_batches
+from shared import schema as sc
 from shared import store as st
 from shared.data import Encoded
-from shared.features import _compiled_lse, causal_masks, forward_features, logit_features, pad_batch, valid_index
+from shared.features import compiled_logsumexp, causal_masks, forward_features, logit_features, pad_batch, valid_index
 from shared.progress import log
 from shared.target import default_layer_ids
 from shared.tiny import tiny_config
 
+
+
+class Watch(Observer):
+    """What this benchmark measures of the worker, through the hooks the worker calls."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.first_forward_at = 0.0  # when the first batch started: setup (buffers, processes) is before it
+        self.gpu_done_at = 0.0       # when the last batch's features reached the host
+        self.timeline = []           # per batch: (B, S, host s queueing it, device start and end events)
+        self.units = []              # per unit: (s queued for a writer, s writing)
+
+    @contextlib.contextmanager
+    def forward(self, sequences: int, padded: int):
+        self.first_forward_at = self.first_forward_at or time.time()
+        if not self.cuda:
+            yield
+            return
+        t0, start = time.perf_counter(), torch.cuda.Event(enable_timing=True)
+        start.record()
+        yield
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self.timeline.append((sequences, padded, time.perf_counter() - t0, start, end))
+
+    def features_on_host(self):
+        self.gpu_done_at = time.time()
+
+    def unit_written(self, queued_s: float, writing_s: float):
+        self.units.append((queued_s, writing_s))
 
 def sync(device):
     if device.type == "cuda":
@@ -94,7 +127,7 @@ def plan_only(a):
         offsets, n_units = assign_units(lengths, S, order)
         for buckets, pow2 in ((0, False), (8, False), (16, False), (8, True)):
             padded, shapes, n = 0, set(), 0
-            for u, members in enumerate(st.samples_by_unit(offsets, S, n_units)):
+            for u, members in enumerate(sc.samples_by_unit(offsets, S, n_units)):
                 items = [(int(i), int(offsets[i]) - u * S, lengths[i]) for i in members]
                 for batch, L in plan_batches(items, bt, 64, buckets, pow2):
                     padded, n = padded + len(batch) * L, n + 1
@@ -119,7 +152,7 @@ class Pruner(threading.Thread):
 
     def sweep(self):
         for u in sorted(st.done_unit_ids(self.store) - self.swept):
-            for name in st.FEATURE_ARRAYS:
+            for name in sc.FEATURE_ARRAYS:
                 p = self.store / name / "c" / str(u)  # zarr's default keys: c/<shard>[/0/0]
                 files = [p] if p.is_file() else [f for f in p.rglob("*") if f.is_file()]
                 self.bytes += sum(f.stat().st_size for f in files)
@@ -142,7 +175,7 @@ def sync_check(w: Worker, model, planned: st.Store, index) -> dict[str, int]:
     {file:line: count}. A wait leaves the device idle while the host prepares what comes next."""
     from extract.writers import UnitPool
     S = planned.layout.shard_tokens
-    members = st.samples_by_unit(index["offset"], S, planned.layout.n_units)[0]
+    members = sc.samples_by_unit(index["offset"], S, planned.layout.n_units)[0]
     items = [(int(i), int(index["offset"][i]), int(index["length"][i])) for i in members]
     batch, padded = next(plan_batches(items, w.cfg.batch_tokens, w.cfg.max_batch, w.cfg.buckets_per_octave,
                                       w.cfg.pow2_batch))
@@ -199,11 +232,11 @@ def measure(a) -> dict:
     cores = len(os.sched_getaffinity(0))
 
     # 1. the real worker first: a cold run compiles and autotunes inside this timing
-    w = Worker(cfg, 0, 1, device, model=model, cores=cores)
+    watch = Watch(device)
+    w = Worker(cfg, 0, 1, device, model=model, cores=cores, observer=watch)
     planned = st.Store(store, require_complete=False)
     layout, index = planned.layout, planned.index()
     if device.type == "cuda":
-        w.timeline = []  # per batch: device start/end events and the host's queueing time
         torch.cuda.reset_peak_memory_stats(device)
     pruner = Pruner(store) if a.prune else None
     if pruner is not None:
@@ -225,17 +258,17 @@ def measure(a) -> dict:
                   f"(the device idle ~{max(0.0, 1 - busy / t_pipe):.0%} of the time)", flush=True)
     else:
         t_pipe = timed(lambda: w.run(list(range(layout.n_units))), device)
-    t_gpu = w.gpu_done_at - t_start
-    t_setup = w.first_forward_at - t_start  # buffers pinned and writer processes started, beside the warm-up
+    t_gpu = watch.gpu_done_at - t_start
+    t_setup = watch.first_forward_at - t_start  # buffers pinned and writer processes started, beside the warm-up
     cpu_worker, cpu_writers = time.process_time() - c_start, w.out.cpu_seconds()
-    queued = [q for q, _ in w.out.timings]
-    writing = [x for _, x in w.out.timings]
+    queued = [q for q, _ in watch.units]
+    writing = [x for _, x in watch.units]
     pruned = pruner.finish() if pruner is not None else 0  # first: it deletes what it counts
     disk = st.disk_bytes(store) + pruned
     log(f"pipeline: {t_pipe:.1f} s, GPU side {t_gpu:.1f} s, {tokens / t_pipe:,.0f} tok/s")
     timeline = None
-    if w.timeline:
-        tl = w.timeline
+    if watch.timeline:
+        tl = watch.timeline
         mem = torch.cuda.memory_stats(device)
         timeline = {"shapes": [[b, n] for b, n, *_ in tl], "host_ms": [h * 1e3 for _, _, h, _, _ in tl],
                     "device_ms": [s.elapsed_time(e) for *_, s, e in tl],
@@ -245,7 +278,7 @@ def measure(a) -> dict:
 
     # 2. the baselines over the same batches the worker planned, warm
     S = layout.shard_tokens
-    planned_batches = [(batch, padded) for u, members in enumerate(st.samples_by_unit(index["offset"], S, layout.n_units))
+    planned_batches = [(batch, padded) for u, members in enumerate(sc.samples_by_unit(index["offset"], S, layout.n_units))
                        for batch, padded in plan_batches([(int(i), int(index["offset"][i]) - u * S, int(index["length"][i]))
                                                           for i in members], cfg.batch_tokens, cfg.max_batch,
                                                          cfg.buckets_per_octave, cfg.pow2_batch)]
@@ -310,7 +343,7 @@ def measure(a) -> dict:
     head_ms, head_check = {}, {}
     if device.type == "cuda":
         x = torch.randn(cfg.logit_chunk, tcfg.hidden_size, device=device, dtype=dtype)
-        lse_c = _compiled_lse()
+        lse_c = compiled_logsumexp()
 
         def f32_row():
             logits = (x @ head.T).float()

@@ -8,7 +8,7 @@ compress, checksum and write as whole units, and how many CPU cores that takes.
 Each row writes (then reads back whole) the same units (synthetic features with the magnitude
 structure of hidden states: a few outlier channels, the rest near N(0, 1)) through the worker's own
 writers (extract/writers.py): tN = N writer threads in this process, pN = N writer processes over
-the shared unit buffers; zKIND = the same with zarr writing each shard (shared/store.py's
+the shared unit buffers; zKIND = the same with zarr writing each shard (shared/compression.py's
 ShardEncoder off), the baseline of the encoder. The buffers are filled once and not cleared
 between units (clearing is the only step left out). Goal (issue 11): >= 2 GB/s of raw bf16
 features per GPU with the cores one GPU has on an 8-GPU host. "cores busy" = CPU time of this
@@ -35,11 +35,35 @@ import numpy as np
 from shapes import synthetic_manifest  # noqa: E402  (adds the repo to sys.path)
 
 from extract.config import ExtractConfig
+from extract.observer import Observer
 from extract.plan import write_plan
 from extract.writers import UnitWriters
-from shared.location import as_location
+from shared import schema as sc
 from shared import store as st
+from shared.compression import ShardEncoder
 from shared.data import Encoded
+from shared.location import as_location
+
+# The 'z' baseline: zarr writes every shard. Set in this process and, through the environment, in
+# the writer processes started from it (spawn imports this module there before anything runs).
+ZARR_SHARDS = "HOST_BENCH_ZARR_SHARDS"
+ENCODER_FOR_ARRAY = ShardEncoder.__dict__["for_array"]
+
+
+def zarr_writes_shards():
+    ShardEncoder.for_array = classmethod(lambda cls, arr: None)
+
+
+if os.environ.get(ZARR_SHARDS) == "1":
+    zarr_writes_shards()
+
+
+class Watch(Observer):
+    def __init__(self):
+        self.writing = []  # seconds per unit write
+
+    def unit_written(self, queued_s: float, writing_s: float):
+        self.writing.append(writing_s)
 
 
 def cpu_seconds() -> float:
@@ -47,7 +71,7 @@ def cpu_seconds() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def unit_arrays(layout: st.Layout, seed: int) -> dict[str, np.ndarray]:
+def unit_arrays(layout: sc.Layout, seed: int) -> dict[str, np.ndarray]:
     """One unit of every feature array, in the layout's shapes and dtypes."""
     rng = np.random.default_rng(seed)
     S, H = layout.shard_tokens, layout.hidden
@@ -55,7 +79,7 @@ def unit_arrays(layout: st.Layout, seed: int) -> dict[str, np.ndarray]:
     scale[rng.choice(H, max(1, H // 256), replace=False)] = 40.0  # outlier channels
     out = {}
     for name, (shape, dtype) in layout.arrays().items():
-        if name not in st.FEATURE_ARRAYS:
+        if name not in sc.FEATURE_ARRAYS:
             continue
         if shape[-1:] == (H,):  # the hidden states: bf16 bits (truncated from float32)
             h = rng.standard_normal((S, *shape), dtype=np.float32) * scale
@@ -170,7 +194,8 @@ def main():
     ap.add_argument("--goal-gbs", type=float, default=2.0)
     ap.add_argument("--zarr-crc", action="store_true", help="baseline: zarr's own crc32c codec (inline on its event loop)")
     ap.add_argument("--zarr-shards", default="", help="writer kinds (e.g. t1,p2) also run with zarr writing every "
-                    "shard (the store's ShardEncoder off, DFLASH_ZARR_SHARDS=1): baseline rows marked 'z'")
+                    "shard (the store's ShardEncoder replaced by zarr's own writes, here and in the writer processes): "
+                    "baseline rows marked 'z'")
     ap.add_argument("--pin", action="store_true", help="pinned unit buffers, as a worker on a GPU has them "
                     "(and first: the CPU's read rate from pinned and from plain memory)")
     ap.add_argument("--dir", default=None)
@@ -206,9 +231,12 @@ def main():
           f"{'read GB/s':>11s}{'read cores':>12s}{'s/unit write':>14s}")
     for kind in kinds:
         zarr_shards = kind[0] == "z"
-        os.environ.pop("DFLASH_ZARR_SHARDS", None)
-        if zarr_shards:  # read by the store in this process and in writer processes started from here
-            os.environ["DFLASH_ZARR_SHARDS"] = "1"
+        os.environ.pop(ZARR_SHARDS, None)
+        if zarr_shards:  # read by this module in this process and in writer processes started from here
+            os.environ[ZARR_SHARDS] = "1"
+            zarr_writes_shards()
+        else:
+            ShardEncoder.for_array = ENCODER_FOR_ARRAY
         writers = kind.removeprefix("z")
         procs, W = writers[0] == "p", int(writers[1:])
         store = server.url(f"hbench/store-{kind}") if server else str(tmp / f"store-{kind}")
@@ -223,7 +251,8 @@ def main():
         if layout.precision == "fp8":
             raise SystemExit("fp8: give --precision bf16 (the goal is stated for raw bf16 features)")
         t0 = time.perf_counter()
-        out = UnitWriters(store, layout, W, procs, extra=0, pin=a.pin, clear=False)
+        watch = Watch()
+        out = UnitWriters(store, layout, W, procs, extra=0, pin=a.pin, clear=False, observer=watch)
         made = time.perf_counter() - t0
         bufs = [out.pool.get(-1, 1, S) for _ in range(out.pool.size)]
         t0 = time.perf_counter()
@@ -254,14 +283,14 @@ def main():
         r = {"writers": kind, "raw_gbs": raw / wall / 1e9, "cores_busy": cpu / wall,
              "gbs_per_core": raw / cpu / 1e9, "disk_gbs": disk / wall / 1e9, "ratio": raw / disk,
              "read_raw_gbs": raw / rwall / 1e9, "read_cores_busy": rcpu / rwall,
-             "unit_write_s": float(np.mean([x for _, x in out.timings]))}
+             "unit_write_s": float(np.mean(watch.writing))}
         rows.append(r)
         print(f"{kind:>8s}{r['raw_gbs']:10.2f}{r['cores_busy']:12.1f}{r['gbs_per_core']:15.3f}{r['disk_gbs']:11.2f}"
               f"{r['read_raw_gbs']:11.2f}{r['read_cores_busy']:12.1f}{r['unit_write_s']:14.2f}", flush=True)
         as_location(store).delete_all()
     if server is not None:
         server.stop()
-    os.environ.pop("DFLASH_ZARR_SHARDS", None)
+    os.environ.pop(ZARR_SHARDS, None)
     for r in rows:  # the store's shard encoder against zarr writing the shards, same writers
         base = next((b for b in rows if b["writers"] == "z" + r["writers"]), None)
         if base is not None:

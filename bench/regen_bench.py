@@ -1,5 +1,5 @@
 """Regeneration throughput of the local engine (transformers generate with the hybrid cache)
-at several batch sizes, through extract.generate.LocalEngine.generate_ids.
+at several batch sizes, through regenerate.engines.LocalEngine.generate_ids.
 
     python bench/regen_bench.py --tiny build/tiny-target --data build/corpus/chat.jsonl   # trained tiny target
     python bench/regen_bench.py --shape 27b                                             # random 27B-shaped target
@@ -18,7 +18,8 @@ import torch
 
 from shapes import random_target, target_27b_config  # noqa: E402
 
-from extract.generate import LocalEngine, RegenConfig
+from regenerate.config import RegenConfig
+from regenerate.engines import LocalEngine
 
 
 def measure(engine: LocalEngine, prompts: list[list[int]], batches: list[int], device) -> list[dict]:

@@ -48,13 +48,13 @@ def random_target(cfg, device, dtype):
 
 def synthetic_manifest(cfg, hidden: int, num_layers: int, vocab: int, layer_ids: list[int], rows: int = 0):
     """The manifest of a benchmark store whose features come from an in-memory model."""
-    from shared import store as st
-    return st.Manifest(
-        target=st.TargetInfo(path="in-memory", model_type="qwen3_5_text", num_hidden_layers=num_layers,
+    from shared import schema as sc
+    return sc.Manifest(
+        target=sc.TargetInfo(path="in-memory", model_type="qwen3_5_text", num_hidden_layers=num_layers,
                              hidden_size=hidden, vocab_size=vocab, layer_types=None, weights_fingerprint="",
                              tensors_fingerprint="", config={}),
-        tokenizer=st.TokenizerInfo(fingerprint="", size=vocab, pad_token_id=0, eos_token_id=None, mask_token_id=None),
-        data=st.DataInfo(spec="synthetic", files=[], report={"rows": rows, "kept": rows, "truncated": 0,
+        tokenizer=sc.TokenizerInfo(fingerprint="", size=vocab, pad_token_id=0, eos_token_id=None, mask_token_id=None),
+        data=sc.DataInfo(spec="synthetic", files=[], report={"rows": rows, "kept": rows, "truncated": 0,
                                                                "skipped": {}, "examples": {}}),
         layer_ids=list(layer_ids), layer_convention="", precision=cfg.precision, codec=cfg.codec, topk=cfg.topk,
         max_len=cfg.max_len, too_long=cfg.too_long, chat_template_kwargs={}, run_key={})

@@ -4,7 +4,7 @@
         --data build/corpus/chat.jsonl --prompts 8 --max-new 48            # the demo's pair
     python bench/spec_bench.py --shape 27b --prompts 2 --max-new 64        # timing path, random weights
 
-`--tiny`: the trained tiny target and an exported drafter through eval.speculative.evaluate,
+`--tiny`: the trained tiny target and an exported drafter through eval.speculative.evaluate_drafter,
 on the GPU in bf16 and fp32 (and on the CPU for the same prompts when --cpu is given). `--shape
 27b`: a random Qwen3.6-27B-shaped target and a random 27B drafter built in memory (no
 checkpoint): tau means nothing there, the timings are the point (a verification forward of 16
@@ -21,7 +21,8 @@ import torch
 
 from shapes import drafter_27b_config, random_target, target_27b_config  # noqa: E402
 
-from eval.speculative import Target, decode_all, drafter_proposal, evaluate, greedy, speculative
+from eval.config import SpecConfig
+from eval.speculative import Target, decode_all, drafter_proposal, evaluate_drafter, greedy, speculative
 from shared.dflash import DFlashDraftModel
 
 
@@ -30,7 +31,8 @@ def tiny(a) -> list[dict]:
     runs = [("cuda", "bf16"), ("cuda", "fp32")] if torch.cuda.is_available() else []
     runs += [("cpu", "fp32")] if a.cpu or not runs else []
     for device, dtype in runs:
-        s = evaluate(a.tiny, a.drafter, a.data, a.prompts, a.max_new, progress=False, device=device, dtype=dtype)
+        s = evaluate_drafter(SpecConfig(drafter=a.drafter, target=a.tiny, data=a.data, prompts=a.prompts,
+                                        max_new=a.max_new, progress=False, device=device, dtype=dtype))
         rows.append({k: s[k] for k in ("device", "dtype", "tau", "blocks", "histogram", "tokens_per_target_forward",
                                        "greedy_seconds", "speculative_seconds", "speedup", "greedy_ms_per_token")}
                     | {"mismatches": len(s["mismatches"]), "prompts": s["prompts"]})

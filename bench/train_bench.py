@@ -174,6 +174,7 @@ def loader(device, dcfg, S, A, n_samples, workers, step_ms, tmpdir, precision="b
     from extract.run import finalize
     from shapes import synthetic_manifest
     from shared.data import Encoded
+    from shared import schema as sc
     from shared import store as st
     from extract.config import ExtractConfig
     from shared.location import as_location
@@ -197,7 +198,7 @@ def loader(device, dcfg, S, A, n_samples, workers, step_ms, tmpdir, precision="b
         h = (torch.randn(S, L, H, generator=g) * 2).bfloat16()
         z = torch.zeros(S, 16)
         arrays = {k: v.numpy().view(np.uint16) if v.dtype == torch.int16 else v.numpy()
-                  for k, v in st.encode_features(precision, h, z.long(), z, z[:, 0]).items()}
+                  for k, v in sc.encode_features(precision, h, z.long(), z, z[:, 0]).items()}
         st.write_unit(w, u, arrays, {"samples": 1, "tokens": S, "dropped": [], "rank": 0})
     write_s = time.perf_counter() - t
     finalize(cfg, write_s)

@@ -12,13 +12,15 @@ OUT/ablation.png the curves of loss and offline tau against steps.
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+from eval.config import AblateConfig, SpecConfig
+from shared.cli import from_args, parser_for
 
 
 def grid(specs: list[str]) -> list[dict[str, str]]:
@@ -69,17 +71,11 @@ def plot(runs: dict[str, list[dict]], path: Path) -> bool:
 
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    ap = argparse.ArgumentParser(prog="python -m eval.ablate", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--grid", action="append", default=[], help="NAME=V1,V2 (repeatable; default draft_layers=1,2,3)")
-    ap.add_argument("--store", required=True)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--target", default=None, help="decode every export for real with this target (and --data)")
-    ap.add_argument("--data", default=None, help="chat rows whose last --prompts are the decoding prompts")
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--max-new", type=int, default=48)
-    ap.add_argument("--chat-template-kwargs", default="{}")
-    a, rest = ap.parse_known_args(argv)
+    try:
+        ns, rest = parser_for(AblateConfig, "python -m eval.ablate", __doc__).parse_known_args(argv)
+    except SystemExit as e:  # argparse has printed why
+        return int(e.code or 0)
+    a = from_args(AblateConfig, ns)
     out = Path(a.out)
     runs, rows = {}, []
     for combo in grid(a.grid or ["draft_layers=1,2,3"]):
@@ -98,10 +94,10 @@ def main(argv=None) -> int:
         ev = [h for h in hist if "eval_tau" in h]
         real = None
         if a.target and a.data:
-            from eval.speculative import evaluate
-            from shared.cli import parse_json_object
-            s = evaluate(a.target, str(run_dir / "export"), a.data, a.prompts, a.max_new, progress=False,
-                         template_kwargs=parse_json_object(a.chat_template_kwargs))
+            from eval.speculative import evaluate_drafter
+            s = evaluate_drafter(SpecConfig(drafter=str(run_dir / "export"), target=a.target, data=a.data,
+                                            prompts=a.prompts, max_new=a.max_new, progress=False,
+                                            chat_template_kwargs=a.chat_template_kwargs))
             if s["mismatches"]:
                 print(f"error: {name}: speculative output differs from greedy: {s['mismatches'][:3]}", file=sys.stderr)
                 return 1

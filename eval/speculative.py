@@ -14,7 +14,6 @@ The output must equal plain greedy decoding token for token; any difference is a
 
 from __future__ import annotations
 
-import argparse
 import copy
 import inspect
 import json
@@ -25,7 +24,8 @@ from pathlib import Path
 
 import torch
 
-from shared.cli import parse_json_object
+from eval.config import SpecConfig
+from shared.cli import from_args, parser_for
 from shared.dflash import DFlashDraftModel
 from shared.features import capture_layers
 from shared.target import compute_dtype
@@ -49,7 +49,7 @@ def accept_length(drafted: list[int], target_choice: list[int]) -> int:
     return k
 
 
-def summarize(blocks: list[int], block_size: int) -> dict:
+def acceptance_summary(blocks: list[int], block_size: int) -> dict:
     hist = [0] * (block_size + 1)
     for b in blocks:
         hist[b] += 1
@@ -108,7 +108,7 @@ def greedy(target: Target, prompt: list[int], max_new: int, eos: int | None) -> 
     return Result(_trim(tokens, len(prompt), max_new, eos), forwards, time.perf_counter() - t0)
 
 
-def load_drafter(path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
+def load_served_drafter(path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32):
     """A DFlash export (ours, or any checkpoint in the public layout) through this project's
     modeling file, the one every export ships: evaluation runs what serving loads, not the trainer."""
     return DFlashDraftModel.from_pretrained(str(path), dtype=dtype).to(device).eval()
@@ -216,7 +216,7 @@ def decode_all(target_model, drafter, prompts, max_new: int, eos: int | None, pr
         forwards += s.forwards
         g_forwards += g.forwards
         new_tokens += len(s.tokens)
-    summary = summarize(blocks, block)
+    summary = acceptance_summary(blocks, block)
     summary.update({"prompts": len(prompts), "new_tokens": new_tokens,
                     "tokens_per_target_forward": new_tokens / max(forwards, 1),
                     "greedy_seconds": round(t_greedy, 3), "speculative_seconds": round(t_spec, 3),
@@ -225,46 +225,34 @@ def decode_all(target_model, drafter, prompts, max_new: int, eos: int | None, pr
     return summary
 
 
-def evaluate(target_path: str, drafter_path: str, data: str, n_prompts: int = 16, max_new: int = 64,
-             max_prompt: int = 512, progress: bool = True, device: str = "auto", dtype: str = "auto",
-             template_kwargs: dict | None = None) -> dict:
+def evaluate_drafter(cfg: SpecConfig) -> dict:
+    """Decode cfg.prompts prompts of cfg.data greedily and speculatively: tau, speedup, exactness."""
     from shared.target import end_of_turn, load_target, load_tokenizer
-    dev, dt = resolve_device(device, dtype)
-    model = load_target(target_path, dev, dt)
-    tok = load_tokenizer(target_path)
-    drafter = load_drafter(drafter_path, dev, dt)
+    dev, dt = resolve_device(cfg.device, cfg.dtype)
+    model = load_target(cfg.target, dev, dt)
+    tok = load_tokenizer(cfg.target)
+    drafter = load_served_drafter(cfg.drafter, dev, dt)
     eos = end_of_turn(tok)[1]
-    prompts = prompts_from(data, tok, n_prompts, max_prompt, template_kwargs)
-    summary = decode_all(model, drafter, prompts, max_new, eos, progress)
+    prompts = prompts_from(cfg.data, tok, cfg.prompts, cfg.max_prompt, cfg.chat_template_kwargs)
+    summary = decode_all(model, drafter, prompts, cfg.max_new, eos, cfg.progress)
     summary.update({"device": str(dev), "dtype": str(dt).removeprefix("torch.")})
     return summary
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m eval.speculative", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--drafter", required=True, help="exported drafter folder (config.json + model.safetensors)")
-    ap.add_argument("--target", required=True)
-    ap.add_argument("--data", required=True, help="chat rows; the last --prompts rows are used")
-    ap.add_argument("--prompts", type=int, default=16)
-    ap.add_argument("--max-new", type=int, default=64)
-    ap.add_argument("--device", default="auto", help="auto: the GPU if there is one, else cpu; or cuda:1, cpu")
-    ap.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto", help="auto: bf16 on GPU, fp32 on CPU")
-    ap.add_argument("--chat-template-kwargs", type=parse_json_object, default={},
-                    help="JSON object for the chat template, as at extraction and serving (e.g. "
-                         "'{\"enable_thinking\": false}'); see `make inspect` for the store's")
-    ap.add_argument("--json", default=None)
-    a = ap.parse_args(argv)
-    s = evaluate(a.target, a.drafter, a.data, a.prompts, a.max_new, device=a.device, dtype=a.dtype,
-                 template_kwargs=a.chat_template_kwargs)
+    try:
+        cfg = from_args(SpecConfig, parser_for(SpecConfig, "python -m eval.speculative", __doc__).parse_args(argv))
+    except SystemExit as e:  # argparse has printed why
+        return int(e.code or 0)
+    s = evaluate_drafter(cfg)
     print(f"tau {s['tau']:.3f} over {s['blocks']} blocks ({s['prompts']} prompts, {s['new_tokens']} tokens); "
           f"tokens per target forward {s['tokens_per_target_forward']:.3f}")
     print("accepted-length histogram (tokens committed per verification): "
           + " ".join(f"{i}:{c}" for i, c in enumerate(s["histogram"]) if c))
     print(f"wall clock ({s['device']}, {s['dtype']}): greedy {s['greedy_seconds']:.2f}s, speculative "
           f"{s['speculative_seconds']:.2f}s, speedup {s['speedup']:.2f}x")
-    if a.json:
-        Path(a.json).write_text(json.dumps(s, indent=2))
+    if cfg.json:
+        Path(cfg.json).write_text(json.dumps(s, indent=2))
     if s["mismatches"]:
         print(f"ERROR: speculative output differs from greedy on {len(s['mismatches'])} prompt(s): "
               f"{s['mismatches'][:5]}", file=sys.stderr)

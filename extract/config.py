@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from shared.cli import opt, parse_gpus, parse_json_object
-from shared.store import CODECS
+from shared.compression import CODECS
 
 
 @dataclass

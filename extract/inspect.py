@@ -12,6 +12,8 @@ import sys
 import numpy as np
 from shared.progress import progress_bar
 
+from shared import compression as cx
+from shared import schema as sc
 from shared import store as st
 
 
@@ -36,7 +38,7 @@ def verify(path: str, progress: bool = True) -> list[str]:
     if (offsets[order][1:] < (offsets + lengths)[order][:-1]).any():
         problems.append("samples overlap")
     done = st.done_units(path)
-    by_unit = st.samples_by_unit(offsets, lay.shard_tokens, lay.n_units)
+    by_unit = sc.samples_by_unit(offsets, lay.shard_tokens, lay.n_units)
     for u in progress_bar(range(lay.n_units), desc="verify", unit=" units", disable=not progress):
         if u not in done:
             problems.append(f"unit {u}: not written")
@@ -44,7 +46,7 @@ def verify(path: str, progress: bool = True) -> list[str]:
         damaged = False
         for name, want in done[u]["crc32"].items():
             try:
-                got = st.crc(s.unit_array(name, u))
+                got = cx.crc(s.unit_array(name, u))
             except Exception as e:  # zarr's own checksum, a truncated shard, ...
                 problems.append(f"unit {u}: {name} unreadable ({type(e).__name__}: {e})")
                 damaged = True

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from extract.config import ExtractConfig
+from shared import schema as sc
 from shared import store as st
 from shared.data import Encoded, encode_all
 from shared.progress import log
@@ -35,7 +36,7 @@ def by_length(lengths: list[int]) -> np.ndarray:
     return np.lexsort((np.arange(len(lengths)), -np.asarray(lengths, dtype=np.int64)))
 
 
-def plan(cfg: ExtractConfig, manifest: st.Manifest, tokenizer, n_layers: int, hidden: int, planner: dict | None = None):
+def plan(cfg: ExtractConfig, manifest: sc.Manifest, tokenizer, n_layers: int, hidden: int, planner: dict | None = None):
     """Tokenize DATA and create the store with its tokens and index."""
     _, encoded, report = encode_all(cfg.data, tokenizer, cfg.max_len, cfg.too_long, cfg.progress,
                                     cfg.chat_template_kwargs, cfg.inexact_turns, cfg.strip_reasoning)
@@ -45,12 +46,12 @@ def plan(cfg: ExtractConfig, manifest: st.Manifest, tokenizer, n_layers: int, hi
         log(f"skipped {n} row(s): {reason}; first: {report.examples[reason]}")
 
 
-def write_plan(cfg: ExtractConfig, manifest: st.Manifest, encoded: list[Encoded], n_layers: int, hidden: int,
+def write_plan(cfg: ExtractConfig, manifest: sc.Manifest, encoded: list[Encoded], n_layers: int, hidden: int,
                planner: dict | None = None):
     """planner: who is planning (recorded in the store while it plans)."""
     lengths = [len(e.input_ids) for e in encoded]
     offsets, n_units = assign_units(lengths, cfg.shard_tokens, by_length(lengths))
-    manifest.layout = st.Layout(n_layers=n_layers, hidden=hidden, topk=cfg.topk, precision=cfg.precision,
+    manifest.layout = sc.Layout(n_layers=n_layers, hidden=hidden, topk=cfg.topk, precision=cfg.precision,
                                 codec=cfg.codec, shard_tokens=cfg.shard_tokens, chunk_tokens=cfg.chunk_tokens,
                                 n_units=n_units, n_samples=len(encoded))
     w = st.create(cfg.store, manifest, planning=planner)

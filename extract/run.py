@@ -7,10 +7,7 @@ planning, each unit and finalizing are claimed (extract/claims.py), so each is d
 from __future__ import annotations
 
 import errno
-import multiprocessing as mp
 import os
-import queue
-import threading
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -20,8 +17,10 @@ import numpy as np
 from extract.claims import Claims, once
 from extract.config import ExtractConfig
 from extract.plan import plan
+from shared import schema as sc
 from shared import store as st
 from shared.data import describe, resolve
+from shared.launch import WorkerFailed, run_workers
 from shared.location import Location, as_location
 from shared.progress import log, progress_bar
 from shared.target import (LAYER_CONVENTION, check_safetensors, default_layer_ids, load_embed_and_head,
@@ -55,7 +54,7 @@ def _devices(cfg: ExtractConfig) -> list[str]:
     return [f"cuda:{g}" for g in cfg.gpus] if cfg.gpus else ["cpu"] * cfg.cpu_workers
 
 
-def launch(cfg: ExtractConfig, layout: st.Layout, done_samples: int = 0):
+def launch(cfg: ExtractConfig, layout: sc.Layout, done_samples: int = 0):
     """Run this run's workers until every unit of the store is done (by them or by any other run).
     done_samples: samples already in finished units (where the progress bar starts)."""
     from extract.worker import worker_main
@@ -71,49 +70,23 @@ def launch(cfg: ExtractConfig, layout: st.Layout, done_samples: int = 0):
                        disable=not cfg.progress or (env is not None and env[0] != 0),
                        desc=f"extract ({world} worker{'s' * (world > 1)})")
     t0, tokens = time.time(), 0
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue() if world > 1 else queue.Queue()
 
-    def monitor(stop):
+    def on_message(msg):
         nonlocal tokens
-        while not stop.is_set():
-            try:
-                kind, _u, n, t = q.get(timeout=0.2)
-            except queue.Empty:
-                continue
-            if kind == "batch":
-                tokens += t
-                bar.update(n)
-                bar.set_postfix(tok_s=f"{tokens / max(time.time() - t0, 1e-9):,.0f}")
+        kind, _u, n, t = msg
+        if kind == "batch":
+            tokens += t
+            bar.update(n)
+            bar.set_postfix(tok_s=f"{tokens / max(time.time() - t0, 1e-9):,.0f}")
 
-    stop = threading.Event()
-    mon = threading.Thread(target=monitor, args=(stop,), daemon=True)
-    mon.start()
+    spawned = world > 1
     try:
-        if world == 1:
-            worker_main(cfg, *ranks[0], devices[0], q, threads)
-        else:
-            procs = [ctx.Process(target=worker_main, args=(cfg, r, w, d, q, threads, True))
-                     for (r, w), d in zip(ranks, devices)]
-            for p in procs:
-                p.start()
-            while any(p.is_alive() for p in procs):
-                failed = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
-                if failed:
-                    for p in procs:
-                        p.terminate()
-                    if any(code == errno.ENOSPC for _, code in failed):
-                        raise OSError(errno.ENOSPC, "no space left on device")
-                    raise ExtractError(f"worker(s) {failed} (rank, exit code) failed; finished units are "
-                                       f"kept: rerun the same command to resume")
-                time.sleep(0.2)
-            failed = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
-            if failed:
-                raise ExtractError(f"worker(s) {failed} (rank, exit code) failed; rerun the same command to resume")
+        run_workers(worker_main, [(cfg, r, w, d, threads, spawned) for (r, w), d in zip(ranks, devices)], on_message)
+    except WorkerFailed as e:
+        if any(code == errno.ENOSPC for _, code in e.failed):
+            raise OSError(errno.ENOSPC, "no space left on device") from None
+        raise ExtractError(f"{e}; finished units are kept: rerun the same command to resume") from None
     finally:
-        time.sleep(0.3)
-        stop.set()
-        mon.join()
         bar.close()
     return time.time() - t0, tokens
 
@@ -138,7 +111,7 @@ def finalize(cfg: ExtractConfig, seconds: float) -> dict:
     lengths = st.Store(cfg.store, require_complete=False).lengths()
     kept_tokens = tokens - sum(int(lengths[d["sample"]]) for d in dropped)
     disk = st.disk_bytes(cfg.store)
-    raw = tokens * layout.n_layers * layout.hidden * 2  # the same features as uncompressed bf16
+    raw = tokens * layout.bf16_hidden_bytes_per_token()
     report = man.data.report
     summary = {
         "samples": layout.n_samples - len(dropped), "tokens": int(kept_tokens),
@@ -157,16 +130,16 @@ def finalize(cfg: ExtractConfig, seconds: float) -> dict:
 
 # --- the manifest and the resume check ------------------------------------------------------------
 
-def make_manifest(cfg: ExtractConfig, tcfg: dict, tokenizer, layer_ids: list[int], sources: list[dict]) -> st.Manifest:
-    return st.Manifest(
+def make_manifest(cfg: ExtractConfig, tcfg: dict, tokenizer, layer_ids: list[int], sources: list[dict]) -> sc.Manifest:
+    return sc.Manifest(
         created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        target=st.TargetInfo(
+        target=sc.TargetInfo(
             path=str(Path(cfg.target).resolve()), model_type=tcfg["model_type"],
             num_hidden_layers=tcfg["num_hidden_layers"], hidden_size=tcfg["hidden_size"],
             vocab_size=tcfg["vocab_size"], layer_types=tcfg.get("layer_types"),
             weights_fingerprint=weights_fingerprint(cfg.target),
             tensors_fingerprint=tensors_fingerprint(*load_embed_and_head(cfg.target)), config=tcfg),
-        tokenizer=st.TokenizerInfo(
+        tokenizer=sc.TokenizerInfo(
             fingerprint=tokenizer_fingerprint(tokenizer), size=len(tokenizer), pad_token_id=tokenizer.pad_token_id,
             eos_token_id=tokenizer.eos_token_id, mask_token_id=tokenizer.mask_token_id),
         layer_ids=layer_ids, layer_convention=LAYER_CONVENTION,
@@ -176,12 +149,12 @@ def make_manifest(cfg: ExtractConfig, tcfg: dict, tokenizer, layer_ids: list[int
         precision=cfg.precision, codec=cfg.codec, topk=cfg.topk, max_len=cfg.max_len, too_long=cfg.too_long,
         # training and evaluation must render chats with the same options as serving
         chat_template_kwargs=dict(cfg.chat_template_kwargs),
-        data=st.DataInfo(spec=cfg.data, files=sources),
+        data=sc.DataInfo(spec=cfg.data, files=sources),
         run_key={**cfg.run_key(), "layer_ids": layer_ids},
     )
 
 
-def check_resume(cfg: ExtractConfig, man: st.Manifest, new: st.Manifest):
+def check_resume(cfg: ExtractConfig, man: sc.Manifest, new: sc.Manifest):
     diffs = [f"{k}: store has {man.run_key.get(k)!r}, asked {v!r}" for k, v in new.run_key.items()
              if man.run_key.get(k) != v]
     if man.target.weights_fingerprint != new.target.weights_fingerprint:
@@ -232,7 +205,7 @@ def run(cfg: ExtractConfig) -> dict:
         return _run_claimed(cfg, loc, claims, manifest, tokenizer, layer_ids, tcfg["hidden_size"], state)
 
 
-def _run_claimed(cfg: ExtractConfig, loc: Location, claims: Claims, manifest: st.Manifest, tokenizer, layer_ids,
+def _run_claimed(cfg: ExtractConfig, loc: Location, claims: Claims, manifest: sc.Manifest, tokenizer, layer_ids,
                  hidden: int, state: str) -> dict:
     def planned():
         s = st.store_state(loc)[0]
@@ -276,22 +249,9 @@ def _run_claimed(cfg: ExtractConfig, loc: Location, claims: Claims, manifest: st
 
 # --- disk space -------------------------------------------------------------------------------
 
-# Compression of features seen so far (BENCHMARKS.md: 1.27-1.39x for bf16, 1.22x for fp8 bytes):
-# the estimate takes the low end, so a store "clearly" too big for the disk is refused.
-_RATIO = {"none": 1.0, "lz4": 1.1, "blosc-lz41": 1.1}
-
-
-def bytes_per_token(layout: st.Layout) -> tuple[float, float]:
-    """(raw, estimated on disk) bytes per token for a store's arrays."""
-    feat = layout.n_layers * layout.hidden * (2 if layout.precision == "bf16" else 1)
-    feat += 4 * layout.n_layers if layout.precision == "fp8" else 0
-    other = layout.topk * (4 + 2) + 4 + 4 + 1  # top-k ids and log-probs, lse, input id, loss mask
-    return feat + other, feat / _RATIO.get(layout.codec, 1.2) + other / 2
-
-
-def check_free_space(cfg: ExtractConfig, store: Location, layout: st.Layout, tokens: int):
+def check_free_space(cfg: ExtractConfig, store: Location, layout: sc.Layout, tokens: int):
     """tokens: the tokens of the units still to write."""
-    raw, est = bytes_per_token(layout)
+    raw, est = layout.bytes_per_token(), layout.estimated_disk_bytes_per_token()
     need, free = tokens * est, store.free_bytes()
     log(f"estimated size of the features still to write: {need / 2**30:,.2f} GiB ({tokens:,.0f} tokens x "
          f"{est:,.0f} B/token: {layout.n_layers} layers x {layout.hidden} x {layout.precision}, codec "
@@ -303,7 +263,7 @@ def check_free_space(cfg: ExtractConfig, store: Location, layout: st.Layout, tok
                            f"starts anyway (the plan is kept: rerunning resumes)")
 
 
-def disk_full(store: Location, layout: st.Layout) -> ExtractError:
+def disk_full(store: Location, layout: sc.Layout) -> ExtractError:
     done = len(st.done_units(store))
     on_disk = st.disk_bytes(store)
     return ExtractError(f"STORE {store}: the disk is full (errno 28, no space left on device) after {done} of "

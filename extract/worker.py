@@ -17,7 +17,6 @@ import errno
 import os
 import queue
 import threading
-import time
 
 import numpy as np
 import torch
@@ -25,7 +24,9 @@ from torch.profiler import record_function
 
 from extract.claims import Claims, claimed_units
 from extract.config import ExtractConfig
+from extract.observer import Observer
 from extract.writers import UnitBuffer, UnitWriters
+from shared import schema as sc
 from shared import store as st
 from shared import tuning
 from shared.features import forward_features, pad_batch
@@ -115,7 +116,8 @@ def writer_procs(cfg: ExtractConfig, device: torch.device) -> bool:
 
 class Worker:
     def __init__(self, cfg: ExtractConfig, rank: int, world: int, device: torch.device, progress_q=None,
-                 model=None, cores: int | None = None, claims: Claims | None = None):
+                 model=None, cores: int | None = None, claims: Claims | None = None,
+                 observer: Observer | None = None):
         self.cfg, self.rank, self.world, self.device = cfg, rank, world, device
         self.claims = claims  # None: the units given to run() are this worker's alone (benchmarks)
         self.procs = writer_procs(cfg, device)
@@ -129,10 +131,7 @@ class Worker:
         self.pad_id = man.tokenizer.pad_token_id or 0
         self.collect_q: queue.Queue = queue.Queue()
         self.out: UnitWriters | None = None  # made in run(): processes start there, not on construction
-        self.gpu_done_at = 0.0  # when the last batch's features reached the host (benchmarks)
-        self.first_forward_at = 0.0  # when the first batch started: setup (buffers, processes) is before it
-        # benchmarks set a list: per batch (B, S, host seconds queueing it, device start and end events)
-        self.timeline: list | None = None
+        self.observer = observer or Observer()
 
     @property
     def error(self) -> BaseException | None:
@@ -154,7 +153,7 @@ class Worker:
                 buf.remaining -= 1
                 if buf.remaining == 0:
                     self.out.submit(buf)
-            self.gpu_done_at = time.time()
+            self.observer.features_on_host()
 
     # -- main loop -------------------------------------------------------------------------
     def run(self, units):
@@ -163,7 +162,7 @@ class Worker:
         index = self.reader.index()
         offsets, lengths, rows, files = index["offset"], index["length"], index["row"], index["file"]
         S = self.layout.shard_tokens
-        by_unit = st.samples_by_unit(offsets, S, self.layout.n_units)
+        by_unit = sc.samples_by_unit(offsets, S, self.layout.n_units)
         dtype = compute_dtype(cfg.dtype, dev)
         cuda = dev.type == "cuda"
         # The unit buffers (GiBs allocated and pinned: seconds) and the writer processes are made on
@@ -172,7 +171,7 @@ class Worker:
         setup = _OnThread(lambda: UnitWriters(cfg.store, self.layout, self.writers, self.procs,
                                               extra=cfg.queue_units + 1, pin=cuda, claims=self.claims,
                                               rank=self.rank, progress_q=self.progress_q,
-                                              nice=cfg.writer_nice), dev)
+                                              nice=cfg.writer_nice, observer=self.observer), dev)
         collector = None
         try:
             model = self.model if self.model is not None else load_target(cfg.target, dev, dtype)
@@ -233,25 +232,16 @@ class Worker:
 
     def _batch(self, model, buf: UnitBuffer, batch, padded: int, unit_ids, files, rows, copy_stream):
         dev = self.device
-        self.first_forward_at = self.first_forward_at or time.time()
         with record_function("extract.prepare_batch"):
             seqs = [torch.from_numpy(unit_ids[lo:lo + n].astype(np.int64)) for _, lo, n in batch]
             ids, _ = pad_batch(seqs, self.pad_id, padded)
             if dev.type == "cuda":  # an asynchronous copy needs pinned memory: from pageable the driver may wait
                 ids = ids.pin_memory()
         ns = [n for _, _, n in batch]
-        timed = self.timeline is not None and dev.type == "cuda"
-        if timed:
-            t0, start = time.perf_counter(), torch.cuda.Event(enable_timing=True)
-            start.record()
-        with record_function("extract.forward_features"):
+        with self.observer.forward(len(batch), padded), record_function("extract.forward_features"):
             hidden, idx, logp, lse, ok = forward_features(
                 model, ids.to(dev, non_blocking=True), ns, self.layer_ids, self.layout.topk, self.cfg.logit_chunk)
-            feats = st.encode_features(self.layout.precision, hidden, idx, logp, lse)
-        if timed:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self.timeline.append((len(batch), padded, time.perf_counter() - t0, start, end))
+            feats = sc.encode_features(self.layout.precision, hidden, idx, logp, lse)
         event, ok_host = None, ok
         for name, t in feats.items():  # copy_ would broadcast a wrong layer count silently
             if t.shape[1:] != buf.arrays[name].shape[1:]:
@@ -280,8 +270,8 @@ class Worker:
             self.progress_q.put(("batch", 0, len(batch), sum(ns)))
 
 
-def worker_main(cfg: ExtractConfig, rank: int, world: int, device: str, progress_q, threads: int,
-                spawned: bool = False):
+def worker_main(cfg: ExtractConfig, rank: int, world: int, device: str, threads: int, spawned: bool,
+                progress_q):
     """Entry point of a worker (spawned, or in the run's own process): claims and computes units
     until every unit of the store is done. rank/world: where in the units it starts claiming."""
     if device.startswith("cuda"):

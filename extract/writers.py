@@ -28,6 +28,8 @@ from multiprocessing.reduction import DupFd
 import numpy as np
 import torch
 
+from extract.observer import Observer
+from shared import schema as sc
 from shared import store as st
 from shared.progress import log
 
@@ -35,11 +37,11 @@ _STOP = object()
 _PAGE = mmap.PAGESIZE
 
 
-def _specs(layout: st.Layout) -> list[tuple[str, tuple[int, ...], np.dtype, int]]:
+def _specs(layout: sc.Layout) -> list[tuple[str, tuple[int, ...], np.dtype, int]]:
     """(name, shape, numpy dtype, byte offset in a slot) of every feature array of one unit."""
     out, off = [], 0
     for name, (shape, dtype) in layout.arrays().items():
-        if name not in st.FEATURE_ARRAYS:
+        if name not in sc.FEATURE_ARRAYS:
             continue
         shape, dt = (layout.shard_tokens, *shape), np.dtype(dtype)
         out.append((name, shape, dt, off))
@@ -50,12 +52,6 @@ def _specs(layout: st.Layout) -> list[tuple[str, tuple[int, ...], np.dtype, int]
 def _slot_bytes(specs) -> int:
     name, shape, dt, off = specs[-1]
     return off + -(-int(np.prod(shape)) * dt.itemsize // _PAGE) * _PAGE
-
-
-def _torch_dtype(dt: np.dtype) -> torch.dtype:
-    # bf16 bits are held as int16 (torch has no uint16 copy kernels on every version)
-    return {np.dtype("uint16"): torch.int16, np.dtype("uint8"): torch.uint8, np.dtype("int32"): torch.int32,
-            np.dtype("float16"): torch.float16, np.dtype("float32"): torch.float32}[dt]
 
 
 @dataclass
@@ -84,7 +80,7 @@ class UnitPool:
     every one is being filled or written, which is the back-pressure on the device. shared: the
     buffers live in one memory file that writer processes map too."""
 
-    def __init__(self, layout: st.Layout, size: int, pin: bool, shared: bool = False):
+    def __init__(self, layout: sc.Layout, size: int, pin: bool, shared: bool = False):
         self.specs = _specs(layout)
         self.slot_bytes = _slot_bytes(self.specs)
         self.size, self.pinned = size, pin
@@ -112,9 +108,9 @@ class UnitPool:
         for slot in range(size):
             if shared:
                 arrays = {name: whole[slot * self.slot_bytes + off:][:int(np.prod(shape)) * dt.itemsize]
-                          .view(_torch_dtype(dt)).view(shape) for name, shape, dt, off in self.specs}
+                          .view(sc.torch_dtype(dt)).view(shape) for name, shape, dt, off in self.specs}
             else:
-                arrays = {name: torch.zeros(shape, dtype=_torch_dtype(dt), pin_memory=pin)
+                arrays = {name: torch.zeros(shape, dtype=sc.torch_dtype(dt), pin_memory=pin)
                           for name, shape, dt, _ in self.specs}
             self.free.put(UnitBuffer(slot, arrays))
 
@@ -254,15 +250,16 @@ class UnitWriters:
     process of its own, at niceness `nice`. submit() hands a filled buffer over; the first error
     is kept in .error (and unblocks whoever waits on the pool) for the worker's main loop to raise."""
 
-    def __init__(self, store: str, layout: st.Layout, n: int, procs: bool, extra: int, pin: bool,
-                 claims=None, rank: int = 0, progress_q=None, clear: bool = True, nice: int = 0):
+    def __init__(self, store: str, layout: sc.Layout, n: int, procs: bool, extra: int, pin: bool,
+                 claims=None, rank: int = 0, progress_q=None, clear: bool = True, nice: int = 0,
+                 observer: Observer | None = None):
         self.store, self.claims, self.rank, self.progress_q = store, claims, rank, progress_q
         self.n, self.procs, self.clear = n, procs, clear
         self.pool = UnitPool(layout, n + extra, pin, shared=procs)
         self.writer = st.StoreWriter(store)
         self.q: queue.Queue = queue.Queue()
         self.error: BaseException | None = None
-        self.timings: list[tuple[float, float]] = []  # per unit: (s queued for a writer, s writing)
+        self.observer = observer or Observer()
         self.close_s: dict[str, float] = {}
         self._procs = [WriterProc(store, self.pool, nice) for _ in range(n)] if procs else []
         self._threads = [threading.Thread(target=self.guard(self._loop), args=(i,), daemon=True)
@@ -314,7 +311,7 @@ class UnitWriters:
                 ok = proc.write(buf, info, held, self.clear)
             else:
                 ok = st.write_unit(self.writer, buf.unit, buf.numpy(), info, held)
-            self.timings.append((t0 - buf.submitted, time.perf_counter() - t0))
+            self.observer.unit_written(t0 - buf.submitted, time.perf_counter() - t0)
             if ok:
                 if self.progress_q is not None:
                     self.progress_q.put(("unit", buf.unit, buf.samples - len(buf.dropped), buf.tokens))

@@ -13,9 +13,10 @@ from typing import Any, Callable, Literal, Union, get_args, get_origin, get_type
 
 
 def opt(default: Any = MISSING, help: str = "", *, flag: str | None = None, parse: Callable | None = None,
-        cli: bool = True, default_factory: Callable | None = None):
-    """A dataclass field with its CLI help (and, rarely, its own flag name or parser)."""
-    meta = {"help": help, "flag": flag, "parse": parse, "cli": cli}
+        cli: bool = True, repeat: bool = False, default_factory: Callable | None = None):
+    """A dataclass field with its CLI help (and, rarely, its own flag name or parser). repeat: a
+    list[str] given as the flag repeated (values that hold commas), not as one comma list."""
+    meta = {"help": help, "flag": flag, "parse": parse, "cli": cli, "repeat": repeat}
     if default_factory is not None:
         return field(default_factory=default_factory, metadata=meta)
     return field(default=default, metadata=meta) if default is not MISSING else field(metadata=meta)
@@ -70,6 +71,8 @@ def add_arguments(ap: argparse.ArgumentParser, cls) -> None:
         elif get_origin(t) is Literal:
             choices = get_args(t)
             kw.update(choices=choices, type=type(choices[0]), default=default, required=required)
+        elif get_origin(t) is list and meta.get("repeat"):
+            kw.update(action="append", type=get_args(t)[0], default=None, required=required)
         elif get_origin(t) is list:
             kw.update(type=_list_parser(get_args(t)[0]), default=default, required=required)
         else:
@@ -78,7 +81,11 @@ def add_arguments(ap: argparse.ArgumentParser, cls) -> None:
 
 
 def from_args(cls, ns: argparse.Namespace):
-    return cls(**{f.name: getattr(ns, f.name) for f in fields(cls) if f.metadata.get("cli") is not False})
+    kw = {f.name: getattr(ns, f.name) for f in fields(cls) if f.metadata.get("cli") is not False}
+    for f in fields(cls):  # a repeated flag never given: its default (argparse would append to a shared one)
+        if f.metadata.get("repeat") and kw.get(f.name) is None:
+            kw.pop(f.name)
+    return cls(**kw)
 
 
 def parser_for(cls, prog: str, doc: str | None) -> argparse.ArgumentParser:

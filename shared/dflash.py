@@ -27,23 +27,57 @@ def _dflash(cfg) -> dict:
     return d if isinstance(d, dict) else {}
 
 
+def causal_setting(is_causal, dflash: dict):
+    """The explicit causal setting of a config, in vLLM's order of precedence: top-level
+    is_causal, then dflash_config.is_causal, then dflash_config.causal; None when none is set."""
+    for src in (is_causal, dflash.get("is_causal"), dflash.get("causal")):
+        if src is not None:
+            return src
+    return None
+
+
 def layer_mask(cfg, i: int) -> tuple[bool, int | None]:
     """(causal, sliding window or None) of decoder layer i. An explicit causal setting (ours:
-    cfg.causal; a config.json: is_causal, dflash_config.is_causal, dflash_config.causal, in vLLM's
-    order) applies to every layer; otherwise a layer is causal exactly when it slides."""
+    cfg.causal; a config.json's, see causal_setting) applies to every layer; otherwise a layer is
+    causal exactly when it slides."""
     sliding = (getattr(cfg, "layer_types", None) or [])[i:i + 1] == ["sliding_attention"]
     causal = getattr(cfg, "causal", None)
-    for src in (getattr(cfg, "is_causal", None), _dflash(cfg).get("is_causal"), _dflash(cfg).get("causal")):
-        if causal is None and src is not None:
-            causal = bool(src)
-    return (sliding if causal is None else causal), (cfg.sliding_window if sliding else None)
+    if causal is None:
+        causal = causal_setting(getattr(cfg, "is_causal", None), _dflash(cfg))
+    return (sliding if causal is None else bool(causal)), (cfg.sliding_window if sliding else None)
+
+
+ROPE_KEYS = ("rope_theta", "rope_parameters", "rope_scaling")
+
+
+def parse_rope_theta(d: dict, where: str = "config") -> float | None:
+    """rope_theta from a config's rope_theta / rope_parameters / rope_scaling (d holds those
+    keys). Only plain RoPE is implemented: any scaling (yarn, linear, dynamic, ...) is refused
+    with a ValueError, never dropped: a drafter run without it would not match serving."""
+    theta = d.get("rope_theta")
+    for key in ("rope_parameters", "rope_scaling"):
+        p = d.get(key)
+        if p is None:
+            continue
+        if not isinstance(p, dict):
+            raise ValueError(f"{where}: {key} must be an object, not {p!r}")
+        kind = p.get("rope_type", p.get("type", "default"))
+        if kind != "default":
+            raise ValueError(f"{where}: {key}.rope_type {kind!r} is not implemented (only plain RoPE, "
+                             f"'default'); training with it ignored would not match serving")
+        extra = set(p) - {"rope_type", "type", "rope_theta"}
+        if extra:
+            raise ValueError(f"{where}: {key} fields {sorted(extra)} are not implemented")
+        if "rope_theta" in p:
+            if theta is not None and float(p["rope_theta"]) != float(theta):
+                raise ValueError(f"{where}: rope_theta {theta} and {key}.rope_theta {p['rope_theta']} differ")
+            theta = p["rope_theta"]
+    return None if theta is None else float(theta)
 
 
 def rope_theta(cfg) -> float:
-    params = getattr(cfg, "rope_parameters", None)
-    if isinstance(params, dict) and "rope_theta" in params:
-        return float(params["rope_theta"])
-    return float(getattr(cfg, "rope_theta", 1e6))
+    theta = parse_rope_theta({k: getattr(cfg, k, None) for k in ROPE_KEYS}, type(cfg).__name__)
+    return 1e6 if theta is None else theta
 
 
 # --- layers -------------------------------------------------------------------------------------

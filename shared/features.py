@@ -64,7 +64,8 @@ def logsumexp_fp32(logits: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
 
 
 @functools.cache
-def _compiled_lse():
+def compiled_logsumexp():
+    """logsumexp_fp32 compiled once per process (dynamic shapes): what the fused LM head uses."""
     return torch.compile(logsumexp_fp32, dynamic=True)
 
 
@@ -102,7 +103,7 @@ def logit_features(last: torch.Tensor, head: torch.Tensor, topk: int, chunk: int
     (topk_by_blocks), whose row maxima the lse reuses; the lse is the compiled reduction on a GPU
     (fused=None), eager elsewhere (docs/DESIGN.md, "Extraction speed")."""
     fused = last.device.type == "cuda" if fused is None else fused
-    lse_fn = _compiled_lse() if fused else logsumexp_fp32
+    lse_fn = compiled_logsumexp() if fused else logsumexp_fp32
     vals, inds, lses = [], [], []
     for lo in range(0, last.shape[0], chunk):
         logits = last[lo:lo + chunk] @ head.T

@@ -18,6 +18,7 @@ GOOGLE_* for GCS, AZURE_* for Azure), never from our files.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import fcntl
 import os
@@ -34,14 +35,80 @@ def is_url(spec: str | Path) -> bool:
     return isinstance(spec, str) and spec.startswith(_SCHEMES)
 
 
-class Location:
-    """A store's root. Keys are '/'-separated paths relative to it (e.g. '_progress/unit-0000001.json')."""
+class Location(abc.ABC):
+    """A store's root. Keys are '/'-separated paths relative to it (e.g. '_progress/unit-0000001.json').
+    Every member a store, its claims and its writers use is declared here (as zarr's own Store
+    declares its interface); LocalLocation and ObjectLocation implement each with the same meaning."""
 
     url: str
-    local: bool
+    local: bool   # a POSIX folder: fcntl locks, pids and free space mean something
 
     def __str__(self) -> str:
         return self.url
+
+    # -- objects --
+    @abc.abstractmethod
+    def read(self, key: str) -> bytes | None:
+        """The object's bytes, None if absent."""
+
+    @abc.abstractmethod
+    def write(self, key: str, data: "bytes | Iterable[bytes]"):
+        """The whole object appears at once (pieces are written one after another), or not at all."""
+
+    @abc.abstractmethod
+    def create(self, key: str, data: bytes) -> object | None:
+        """Write only if the key does not exist: a version token, or None if it existed. Exactly one
+        of several concurrent creators wins."""
+
+    @abc.abstractmethod
+    def read_versioned(self, key: str) -> tuple[bytes, object] | None:
+        """(bytes, version token) for replace(), None if absent."""
+
+    @abc.abstractmethod
+    def replace(self, key: str, data: bytes, token) -> object | None:
+        """Write only if the key is unchanged since the read that gave `token` (compare-and-swap):
+        the new token, or None."""
+
+    @abc.abstractmethod
+    def delete(self, key: str):
+        """Remove one key (absent is fine)."""
+
+    # -- listing and the whole root --
+    @abc.abstractmethod
+    def list(self, prefix: str) -> list[str]:
+        """Every key under the prefix, sorted."""
+
+    @abc.abstractmethod
+    def delete_prefix(self, prefix: str):
+        """Remove every key under the prefix."""
+
+    @abc.abstractmethod
+    def names(self) -> set[str]:
+        """The top-level names at the root (files, folders, key prefixes)."""
+
+    @abc.abstractmethod
+    def delete_all(self, keep: tuple[str, ...] = ()):
+        """Remove everything at the root but the top-level names in `keep`."""
+
+    @abc.abstractmethod
+    def size(self) -> int:
+        """Bytes of every file or object."""
+
+    @abc.abstractmethod
+    def free_bytes(self) -> int | None:
+        """Free space where the store grows; None where there is none to check (object storage)."""
+
+    @abc.abstractmethod
+    def prepare(self):
+        """Make the root exist, where that means something."""
+
+    @abc.abstractmethod
+    def is_file(self) -> bool:
+        """Whether the location is an existing plain file (refused as a store)."""
+
+    @abc.abstractmethod
+    def zarr_store(self, read_only: bool = False):
+        """What zarr opens the group with."""
 
 
 class LocalLocation(Location):
@@ -241,6 +308,17 @@ class ObjectLocation(Location):
 
     def prepare(self):
         pass
+
+
+# --- local files -----------------------------------------------------------------------------
+
+def atomic_write_text(path: Path, text: str):
+    """Write through a temporary name in the same folder, then rename: readers see the old file
+    or the new one, never half of one."""
+    path = Path(path)
+    tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def as_location(where: "str | Path | Location") -> Location:

@@ -9,12 +9,14 @@ import time
 
 import numpy as np
 import pytest
+import zarr
 
 from conftest import extract_cfg, mask_runs, read_all
 from extract.__main__ import main
 from extract.run import ExtractError, run
 from shared.data import Encoder, encode_all
 from shared import store as st
+from shared.location import as_location
 from shared.target import TargetError
 
 CHAT = {"messages": [{"role": "user", "content": "say hi"}, {"role": "assistant", "content": "hi there friend"}]}
@@ -209,7 +211,7 @@ def test_no_claim_is_left_and_a_live_claim_is_waited_for(tiny, tmp_path, monkeyp
         run(extract_cfg(tiny, fresh, layer_ids=[0], topk=2, max_batch=1))
     monkeypatch.undo()
     # unit 0 held by a live process (this one, as another owner) whose lease runs out in 4 s
-    holder = Claims(st.as_location(fresh), lease_s=4)
+    holder = Claims(as_location(fresh), lease_s=4)
     assert holder.take("unit-0000000")
     t0 = time.time()
     run(extract_cfg(tiny, fresh, layer_ids=[0], topk=2, max_batch=1, lease_seconds=4))
@@ -230,7 +232,7 @@ def test_verify_reports_a_truncated_shard_and_goes_on(tiny, tmp_path, capsys):
     shard = next(p for p in (store / "features" / "hidden" / "c" / "0").rglob("*") if p.is_file())
     shard.write_bytes(shard.read_bytes()[:300])
     last = st.Store(store).layout.n_units - 1
-    g = st.zarr.open_group(str(store), mode="r+")
+    g = zarr.open_group(str(store), mode="r+")
     S = st.Store(store).layout.shard_tokens
     g["logits/lse"][last * S:last * S + 4] = 1.0  # a second, later problem: still found
     assert inspect_main([str(store), "--verify"]) == 1
@@ -243,7 +245,7 @@ def test_verify_agrees_with_training_on_an_unfinalized_store(tiny, tmp_path, cap
     from extract.inspect import main as inspect_main
     store = tmp_path / "s"
     run(extract_cfg(tiny, store))
-    g = st.zarr.open_group(str(store), mode="r+")  # killed after the last marker, before finalizing
+    g = zarr.open_group(str(store), mode="r+")  # killed after the last marker, before finalizing
     g.attrs["dflash"] = {**g.attrs["dflash"], "complete": False}
     with pytest.raises(st.StoreError, match="not complete"):
         st.Store(store)

@@ -227,7 +227,7 @@ def test_report_counts_turns_samples_and_split_tokens(qtok, tmp_path):
 
 
 def test_regenerated_reasoning_becomes_reasoning_content():
-    from extract.generate import Reply
+    from regenerate.jobs import Reply
     r = Reply.of_text("Add them.\n</think>\n\nThe answer is 5.", "stop", 9)
     assert (r.reasoning, r.text) == ("Add them.", "The answer is 5.")
     r = Reply.of_text("The answer is 5.", "stop", 5)

@@ -9,6 +9,7 @@ import time
 
 import numpy as np
 import pytest
+import zarr
 import torch
 
 from conftest import extract_cfg, read_all
@@ -17,7 +18,9 @@ from extract.plan import assign_units
 from extract.run import ExtractError, run
 from extract.worker import bucket_length
 from shared.features import forward_features, pad_batch
+from shared import schema as sc
 from shared import store as st
+from shared.location import as_location
 from shared.target import load_target
 
 @pytest.fixture(scope="module")
@@ -171,7 +174,7 @@ def test_interrupted_planning_leaves_no_store(tiny, reference, tmp_path, monkeyp
         st.Store(store, require_complete=False)
     # the planner's claim as a process killed with -9 leaves it: held, unexpired, its pid dead
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    claims = Claims(st.as_location(store))
+    claims = Claims(as_location(store))
     rec = json.loads(claims._record(time.time() + 3600))
     (store / "_claims").mkdir(exist_ok=True)
     (store / "_claims" / "plan.json").write_text(json.dumps({**rec, "pid": int(dead.stdout)}))
@@ -229,7 +232,7 @@ def test_verify_passes_and_catches_corruption(tiny, reference, tmp_path):
     assert verify(str(store), progress=False) == []
     assert inspect_main([str(store)]) == 0
     # Overwrite one unit's hidden states with other values through zarr: decodes fine, checksum differs.
-    g = st.zarr.open_group(str(store), mode="r+")
+    g = zarr.open_group(str(store), mode="r+")
     S = st.Store(store).layout.shard_tokens
     g["features/hidden"][S:S + 10] = 7
     problems = verify(str(store), progress=False)
@@ -241,12 +244,12 @@ def test_verify_passes_and_catches_corruption(tiny, reference, tmp_path):
 def test_opening_a_store_reads_no_per_sample_data(tmp_path, monkeypatch):
     """Opening cost does not grow with the sample count: a 10M-sample store opens without any
     index chunk existing on disk, and one sample's index is read a chunk at a time."""
-    lay = st.Layout(n_layers=2, hidden=8, topk=2, precision="bf16", codec="zstd1", shard_tokens=1024,
+    lay = sc.Layout(n_layers=2, hidden=8, topk=2, precision="bf16", codec="zstd1", shard_tokens=1024,
                     chunk_tokens=64, n_units=1, n_samples=10_000_000)
     path = tmp_path / "big"
-    man = st.Manifest(
-        target=st.TargetInfo("t", "qwen3_5_text", 4, 8, 16, None, "", "", {}),
-        tokenizer=st.TokenizerInfo("", 16, 0, None, None), data=st.DataInfo("d", []), layer_ids=[0, 1],
+    man = sc.Manifest(
+        target=sc.TargetInfo("t", "qwen3_5_text", 4, 8, 16, None, "", "", {}),
+        tokenizer=sc.TokenizerInfo("", 16, 0, None, None), data=sc.DataInfo("d", []), layer_ids=[0, 1],
         layer_convention="", precision="bf16", codec="zstd1", topk=2, max_len=1024, too_long="truncate",
         chat_template_kwargs={}, run_key={}, layout=lay)
     st.create(path, man).finish({}, "now")

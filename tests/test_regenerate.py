@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from extract.generate import RegenConfig, RegenError, run
+from regenerate.config import RegenConfig, RegenError
+from regenerate.run import run
 from shared.data import encode_all
 
 REPO = Path(__file__).resolve().parents[1]
@@ -89,7 +90,7 @@ def test_regenerated_answer_is_the_targets_greedy_continuation(tiny, data, tmp_p
 
 
 def test_bad_target_and_data_are_refused_before_any_output(tiny, data, tmp_path, capsys):
-    from extract.regenerate import main
+    from regenerate.__main__ import main
     out = tmp_path / "out"
     assert main(["--data", str(data), "--target", str(tmp_path / "none"), "--out", str(out)]) == 2
     assert "no such directory" in capsys.readouterr().err
@@ -111,7 +112,7 @@ def test_resume_with_other_settings_is_refused(tiny, data, tmp_path):
 
 
 def _cmd(tiny, data, out):
-    return [sys.executable, "-m", "extract.regenerate", "--data", str(data), "--target", str(tiny["target"]),
+    return [sys.executable, "-m", "regenerate", "--data", str(data), "--target", str(tiny["target"]),
             "--out", str(out), "--max-new-tokens", "24", "--shard-rows", "2", "--batch-size", "1", "--no-progress"]
 
 

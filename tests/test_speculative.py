@@ -7,7 +7,8 @@ import random
 import pytest
 import torch
 
-from eval.speculative import Target, accept_length, drafter_proposal, greedy, load_drafter, speculative, summarize
+from eval.speculative import (Target, accept_length, acceptance_summary, drafter_proposal, greedy, load_served_drafter,
+                              speculative)
 from train.config import DrafterConfig
 from train.export import export
 from train.loss import accepted_per_block, slot_targets
@@ -19,7 +20,7 @@ def exported(drafter: DFlashDrafter, path) -> torch.nn.Module:
     export's own modeling file. Weights are rounded to bf16 first so both hold the same values."""
     for p in drafter.parameters():
         p.data = p.data.bfloat16().float()
-    return load_drafter(export(drafter, path))
+    return load_served_drafter(export(drafter, path))
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +43,7 @@ def test_accept_and_tau_bookkeeping_hand_worked():
     assert accept_length([5, 6, 7], [1, 6, 7]) == 0
     assert accept_length([5, 6, 7], [5, 6, 7]) == 3
     # blocks commit accepted + 1 tokens: 3, 1, 4, 1 -> tau 9/4
-    s = summarize([3, 1, 4, 1], block_size=4)
+    s = acceptance_summary([3, 1, 4, 1], block_size=4)
     assert s["tau"] == 2.25 and s["histogram"] == [0, 2, 0, 1, 1] and s["blocks"] == 4
 
 

@@ -5,30 +5,32 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from shared import compression as cx
+from shared import schema as sc
 from shared import store as st
 
 
 def _manifest(precision: str, codec: str, n_units: int, shard: int, chunk: int, L: int = 2, H: int = 48,
-              K: int = 4) -> st.Manifest:
-    m = st.Manifest(
-        target=st.TargetInfo(path="none", model_type="qwen3_5_text", num_hidden_layers=L, hidden_size=H,
+              K: int = 4) -> sc.Manifest:
+    m = sc.Manifest(
+        target=sc.TargetInfo(path="none", model_type="qwen3_5_text", num_hidden_layers=L, hidden_size=H,
                              vocab_size=1000, layer_types=None, weights_fingerprint="", tensors_fingerprint="",
                              config={}),
-        tokenizer=st.TokenizerInfo(fingerprint="", size=1000, pad_token_id=0, eos_token_id=None, mask_token_id=None),
-        data=st.DataInfo(spec="test", files=[], report={}),
+        tokenizer=sc.TokenizerInfo(fingerprint="", size=1000, pad_token_id=0, eos_token_id=None, mask_token_id=None),
+        data=sc.DataInfo(spec="test", files=[], report={}),
         layer_ids=list(range(L)), layer_convention="", precision=precision, codec=codec, topk=K, max_len=shard,
         too_long="truncate", chat_template_kwargs={}, run_key={})
-    m.layout = st.Layout(n_layers=L, hidden=H, topk=K, precision=precision, codec=codec, shard_tokens=shard,
+    m.layout = sc.Layout(n_layers=L, hidden=H, topk=K, precision=precision, codec=codec, shard_tokens=shard,
                          chunk_tokens=chunk, n_units=n_units, n_samples=1)
     return m
 
 
-def _unit(layout: st.Layout, seed: int) -> dict[str, np.ndarray]:
+def _unit(layout: sc.Layout, seed: int) -> dict[str, np.ndarray]:
     """Feature arrays shaped like a unit's, hidden-state-like values, a zero tail (unused tokens)."""
     rng = np.random.default_rng(seed)
     out = {}
     for name, (shape, dtype) in layout.arrays().items():
-        if name not in st.FEATURE_ARRAYS:
+        if name not in sc.FEATURE_ARRAYS:
             continue
         x = rng.standard_normal((layout.shard_tokens, *shape)).astype(np.float32)
         if np.dtype(dtype) == np.uint16:
@@ -45,7 +47,7 @@ def _unit(layout: st.Layout, seed: int) -> dict[str, np.ndarray]:
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
-@pytest.mark.parametrize("codec", st.CODECS)
+@pytest.mark.parametrize("codec", cx.CODECS)
 def test_shard_encoder_writes_the_bytes_zarr_writes(tmp_path, precision, codec):
     """Every feature shard that write_unit writes is byte for byte the shard zarr writes for the
     same data (so zarr reads it, checksums and all), for every codec and both precisions, and
@@ -88,7 +90,7 @@ def test_a_corrupt_shard_from_the_encoder_is_an_error_when_read(tmp_path):
 
 
 def test_arrays_the_encoder_does_not_know_are_written_through_zarr(tmp_path, monkeypatch):
-    monkeypatch.setattr(st.ShardEncoder, "for_array", classmethod(lambda cls, arr: None))
+    monkeypatch.setattr(cx.ShardEncoder, "for_array", classmethod(lambda cls, arr: None))
     w = st.create(tmp_path / "s", _manifest("fp8", "zstd1", 2, 128, 64))
     arrays = _unit(w.layout, 0)
     assert st.write_unit(w, 1, arrays, {})

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from shared.store import atomic_write_text
+from shared.location import atomic_write_text
 
 
 class TrainingError(RuntimeError):

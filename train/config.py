@@ -13,11 +13,10 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Literal
 
-from shared.cli import opt
-from shared.cli import parse_gpus
+from shared.cli import opt, parse_gpus
+from shared.dflash import ROPE_KEYS, causal_setting, layer_mask, parse_rope_theta
+from shared.schema import Manifest
 from shared.target import default_layer_ids
-from shared.dflash import layer_mask
-from shared.store import Manifest
 
 # Qwen3 config fields that carry no meaning for the drafter's math but appear in public configs.
 PASSTHROUGH = {"architectures", "model_type", "torch_dtype", "dtype", "transformers_version",
@@ -116,13 +115,16 @@ class DrafterConfig:
         for key, why in REFUSED.items():
             if key in d or key in dflash:
                 raise ConfigError(f"{where}: field {key!r} is refused: {why}")
-        rope = cls._rope_theta(d, where)
+        try:
+            rope = parse_rope_theta({k: d.pop(k, None) for k in ROPE_KEYS}, where)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         target_hidden = d.pop("target_hidden_size", None)
         if target_hidden is not None and target_hidden != d.get("hidden_size"):
             raise ConfigError(f"{where}: target_hidden_size {target_hidden} != hidden_size {d.get('hidden_size')}: "
                               f"the drafter uses the target's embed_tokens and lm_head, so both must be equal")
         known = {f.name for f in fields(cls)} - {"causal"}
-        unknown = set(d) - known - PASSTHROUGH - {"rope_scaling", "rope_parameters", "is_causal"}
+        unknown = set(d) - known - PASSTHROUGH - {"is_causal"}
         if unknown:
             raise ConfigError(f"{where}: unknown field(s) {sorted(unknown)}; known: {sorted(known)}")
         kw = {k: v for k, v in d.items() if k in known}
@@ -135,13 +137,11 @@ class DrafterConfig:
                 raise ConfigError(f"{where}: block_size {d['block_size']} and dflash_config.block_size "
                                   f"{dflash['block_size']} differ")
             kw["block_size"] = dflash["block_size"]
-        # vLLM's precedence: top-level is_causal, then dflash_config.is_causal, then dflash_config.causal
-        for src in (d.get("is_causal"), dflash.get("is_causal"), dflash.get("causal")):
-            if src is not None:
-                if not isinstance(src, bool):
-                    raise ConfigError(f"{where}: causal must be true or false, not {src!r}")
-                kw["causal"] = src
-                break
+        causal = causal_setting(d.get("is_causal"), dflash)
+        if causal is not None:
+            if not isinstance(causal, bool):
+                raise ConfigError(f"{where}: causal must be true or false, not {causal!r}")
+            kw["causal"] = causal
         if kw.get("head_dim") is None and "hidden_size" in kw and "num_attention_heads" in kw:
             kw["head_dim"] = kw["hidden_size"] // kw["num_attention_heads"]
         required = ("hidden_size", "num_attention_heads", "num_key_value_heads", "intermediate_size",
@@ -151,30 +151,6 @@ class DrafterConfig:
         if missing:
             raise ConfigError(f"{where}: missing field(s) {missing}")
         return cls(**kw)
-
-    @staticmethod
-    def _rope_theta(d: dict, where: str) -> float | None:
-        """rope_theta from rope_theta / rope_parameters / rope_scaling. Only plain RoPE is
-        implemented: any scaling (yarn, linear, dynamic, ...) is refused, never dropped."""
-        theta = d.pop("rope_theta", None)
-        for key in ("rope_parameters", "rope_scaling"):
-            p = d.pop(key, None)
-            if p is None:
-                continue
-            if not isinstance(p, dict):
-                raise ConfigError(f"{where}: {key} must be an object, not {p!r}")
-            kind = p.get("rope_type", p.get("type", "default"))
-            if kind != "default":
-                raise ConfigError(f"{where}: {key}.rope_type {kind!r} is not implemented (only plain RoPE, "
-                                  f"'default'); training with it ignored would not match serving")
-            extra = set(p) - {"rope_type", "type", "rope_theta"}
-            if extra:
-                raise ConfigError(f"{where}: {key} fields {sorted(extra)} are not implemented")
-            if "rope_theta" in p:
-                if theta is not None and float(p["rope_theta"]) != float(theta):
-                    raise ConfigError(f"{where}: rope_theta {theta} and {key}.rope_theta {p['rope_theta']} differ")
-                theta = p["rope_theta"]
-        return None if theta is None else float(theta)
 
     @classmethod
     def load(cls, path: str | Path) -> "DrafterConfig":

@@ -11,7 +11,7 @@ from train.step import StepConfig, forward_loss
 
 
 @torch.no_grad()
-def evaluate(model, embed, head, loader, sc: StepConfig, device, autocast) -> dict:
+def evaluate_held_out(model, embed, head, loader, sc: StepConfig, device, autocast) -> dict:
     model.eval()
     stats = torch.zeros(3, sc.block, dtype=torch.float32, device=device)
     loss, weight = 0.0, 0.0

@@ -14,7 +14,7 @@ from shared.store import Store, StoreError
 from train.checkpoint import TrainingError
 from train.config import TrainConfig
 from train.export import export
-from train.heldout import evaluate
+from train.heldout import evaluate_held_out
 from train.metrics import Metrics
 from train.model import compiled_graphs
 from train.run import Run, build_run
@@ -72,7 +72,7 @@ def loop(run: Run):
             if (run.step % cfg.log_every == 0 or last) and metrics.window is not None:
                 rec = metrics.record(run.step, epoch, run.sched.get_last_lr()[0], float(r["grad_norm"]))
                 if run.eval_loader is not None and cfg.eval_every and (run.step % cfg.eval_every == 0 or last):
-                    rec.update(evaluate(run.model, run.embed, run.head, run.eval_loader, run.step_cfg, dev, run.autocast))
+                    rec.update(evaluate_held_out(run.model, run.embed, run.head, run.eval_loader, run.step_cfg, dev, run.autocast))
                     if run.best is None or rec["eval_tau"] > run.best["eval_tau"]:
                         run.best = {"step": run.step, "eval_tau": rec["eval_tau"]}
                         if run.rank == 0:

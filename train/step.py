@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from shared.store import fp8_decode
+from shared.schema import fp8_decode
 from train.attention import build_masks
 from train.loss import chunked_loss, slot_stats, slot_targets
 from train.config import DrafterConfig

@@ -1,8 +1,8 @@
 """Regenerate DATA's assistant turns with the target: the DFlash data recipe (a drafter trains on
 text its target writes).
 
-    python -m extract.regenerate --data corpus.jsonl --target path/to/target --out data/regen --gpus 0,1
-    python -m extract.regenerate --data corpus.jsonl --engine openai --base-url http://127.0.0.1:8000/v1 \\
+    python -m regenerate --data corpus.jsonl --target path/to/target --out data/regen --gpus 0,1
+    python -m regenerate --data corpus.jsonl --engine openai --base-url http://127.0.0.1:8000/v1 \\
         --model served-name --out data/regen
 
 The output folder is a DATA folder for `make extract`. Rerun the same command to resume.
@@ -13,7 +13,8 @@ from __future__ import annotations
 import json
 import sys
 
-from extract.generate import RegenConfig, RegenError, run
+from regenerate.config import RegenConfig, RegenError
+from regenerate.run import run
 from shared.cli import from_args, parser_for
 from shared.data import DataError
 from shared.progress import log
@@ -23,7 +24,7 @@ from shared.target import TargetError
 def main(argv=None) -> int:
     try:
         try:
-            cfg = from_args(RegenConfig, parser_for(RegenConfig, "python -m extract.regenerate", __doc__).parse_args(argv))
+            cfg = from_args(RegenConfig, parser_for(RegenConfig, "python -m regenerate", __doc__).parse_args(argv))
         except SystemExit as e:  # argparse has printed why
             return int(e.code or 0)
         s = run(cfg)
