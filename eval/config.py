@@ -15,8 +15,12 @@ TEMPLATE_HELP = ("JSON object for the chat template, as at extraction and servin
 class SpecConfig:
     drafter: str = opt(help="exported drafter folder (config.json + model.safetensors)")
     target: str = opt(help="the target checkpoint")
-    data: str = opt(help="chat rows; the last --prompts rows are used")
-    prompts: int = opt(16, "prompts decoded")
+    data: str | None = opt(None, "chat rows; the prompt of each of the last --prompts rows' last assistant turn")
+    prompt_set: list[str] = opt(help="mt-bench, humaneval (installed from the package registry: shared/named_data.py) "
+                                     "or a DATA file: each row's user turns asked in order after the target's own "
+                                     "answers (repeatable; the first --prompts rows)", repeat=True, default_factory=list)
+    prompts: int = opt(16, "rows decoded per set (0: all)")
+    prompt_lookup: bool = opt(True, "also decode with prompt lookup (n-gram) drafting: the baseline, same prompts")
     max_new: int = opt(64, "new tokens per prompt")
     max_prompt: int = opt(512, "prompt tokens kept (the last ones)")
     device: str = opt("auto", "auto: the GPU if there is one, else cpu; or cuda:1, cpu")

@@ -155,7 +155,8 @@ def speculative(target: Target, propose, prompt: list[int], max_new: int, eos: i
         choice = logits.argmax(-1).tolist()          # choice[i] = target's token for position a+1+i
         k = accept_length(drafted, choice)
         tokens += drafted[:k] + [choice[k]]
-        ctx.append(feats[:k + 1])
+        if feats is not None:                        # prompt lookup reads no features
+            ctx.append(feats[:k + 1])
         res.blocks.append(k + 1)
         res.forwards += 1
         if k < len(drafted):
@@ -190,53 +191,141 @@ def prompts_from(data: str, tokenizer, n: int, max_prompt: int, template_kwargs:
     return rows[-n:]
 
 
+class Dialogues:
+    """A prompt set as decoding needs it: each row's user turns asked in order, each after the
+    target's own greedy answers to the ones before (MT-Bench's second turn follows the target's
+    first answer, as when it is served); a row that holds assistant turns is asked once, before
+    its last one (its history as the row has it). Iterating yields prompt ids; answer(tokens)
+    gives the greedy answer to the prompt just yielded."""
+
+    def __init__(self, spec: str, tokenizer, n: int, max_prompt: int, template_kwargs: dict | None = None):
+        from shared.data import Encoder, RowError, iter_rows, normalize_chat, resolve
+        from shared.target import end_of_turn
+        self.tok, self.max_prompt = tokenizer, max_prompt
+        self.enc = Encoder(tokenizer, max_prompt, "truncate", template_kwargs)
+        self.eos = end_of_turn(tokenizer)[1]
+        self.rows: list[tuple[list[dict], list[str], object]] = []  # (history, questions, tools)
+        for _, _, where, row in iter_rows(resolve(spec)):
+            if isinstance(row, RowError) or not isinstance(row, dict):
+                continue
+            try:
+                msgs = normalize_chat(row, where, require_assistant=False)
+            except RowError:
+                continue
+            if not msgs:
+                continue
+            asst = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
+            if asst:
+                self.rows.append((msgs[:asst[-1]], [], row.get("tools")))
+            else:
+                first = next((i for i, m in enumerate(msgs) if m["role"] == "user"), None)
+                if first is not None:
+                    self.rows.append((msgs[:first], [m["content"] for m in msgs[first:] if m["role"] == "user"],
+                                      row.get("tools")))
+            if n and len(self.rows) == n:
+                break
+        self._answer: list[int] | None = None
+
+    def __len__(self) -> int:
+        return sum(max(len(q), 1) for _, q, _ in self.rows)
+
+    def answer(self, tokens: list[int]):
+        self._answer = tokens
+
+    def __iter__(self):
+        for history, questions, tools in self.rows:
+            history = list(history)
+            for q in questions or [None]:
+                if q is not None:
+                    history.append({"role": "user", "content": q})
+                text = self.enc.prompt(history, tools)
+                self._answer = None
+                yield self.tok(text, add_special_tokens=False)["input_ids"][-self.max_prompt:]
+                ans = list(self._answer or [])
+                if ans and ans[-1] == self.eos:
+                    ans = ans[:-1]
+                history.append({"role": "assistant", "content": self.tok.decode(ans)})
+
+
 def resolve_device(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
                        ("cpu" if device == "auto" else device))
     return dev, compute_dtype(dtype, dev)
 
 
-def decode_all(target_model, drafter, prompts, max_new: int, eos: int | None, progress: bool = True) -> dict:
-    """Greedy and speculative decoding of every prompt; tau, tokens per target forward, timings."""
+def decode_all(target_model, drafter, prompts, max_new: int, eos: int | None, progress: bool = True,
+               prompt_lookup: bool = True) -> dict:
+    """Greedy and speculative decoding of every prompt (a list of ids, or Dialogues, told each
+    greedy answer); tau, tokens per target forward, timings; beside the drafter, prompt lookup
+    (eval/lookup.py) drafting as many tokens per block, on the same prompts."""
+    from eval.lookup import prompt_lookup_proposal
     from shared.progress import progress_bar
     layer_ids, block, _ = drafter_info(drafter)
     target = Target(target_model, layer_ids)
     plain = Target(target_model, [])
     embed, head = target_model.get_input_embeddings().weight, target_model.lm_head.weight
-    propose = drafter_proposal(drafter, embed, head)
-    blocks, t_greedy, t_spec, mismatches, forwards, g_forwards, new_tokens = [], 0.0, 0.0, [], 0, 0, 0
-    for i, p in enumerate(progress_bar(prompts, desc="speculative decoding", disable=not progress)):
+    methods = {"drafter": (target, drafter_proposal(drafter, embed, head))}
+    if prompt_lookup:
+        methods["prompt_lookup"] = (plain, prompt_lookup_proposal(block - 1))
+    runs = {m: {"blocks": [], "seconds": 0.0, "forwards": 0, "tokens": 0, "mismatches": []} for m in methods}
+    t_greedy, g_forwards, n = 0.0, 0, 0
+    for i, p in enumerate(progress_bar(prompts, total=len(prompts), desc="speculative decoding",
+                                       disable=not progress)):
         g = greedy(plain, list(p), max_new, eos)
-        s = speculative(target, propose, list(p), max_new, eos)
-        if s.tokens != g.tokens:
-            first = next((j for j, (x, y) in enumerate(zip(s.tokens, g.tokens)) if x != y), min(len(s.tokens), len(g.tokens)))
-            mismatches.append({"prompt": i, "first_difference_at": first})
-        blocks += s.blocks
-        t_greedy, t_spec = t_greedy + g.seconds, t_spec + s.seconds
-        forwards += s.forwards
-        g_forwards += g.forwards
-        new_tokens += len(s.tokens)
-    summary = acceptance_summary(blocks, block)
-    summary.update({"prompts": len(prompts), "new_tokens": new_tokens,
-                    "tokens_per_target_forward": new_tokens / max(forwards, 1),
-                    "greedy_seconds": round(t_greedy, 3), "speculative_seconds": round(t_spec, 3),
-                    "greedy_ms_per_token": round(1000 * t_greedy / max(g_forwards, 1), 3),
-                    "speedup": t_greedy / max(t_spec, 1e-9), "mismatches": mismatches})
-    return summary
+        t_greedy, g_forwards, n = t_greedy + g.seconds, g_forwards + g.forwards, n + 1
+        if hasattr(prompts, "answer"):
+            prompts.answer(g.tokens)
+        for m, (tgt, propose) in methods.items():
+            s = speculative(tgt, propose, list(p), max_new, eos)
+            r = runs[m]
+            if s.tokens != g.tokens:
+                first = next((j for j, (x, y) in enumerate(zip(s.tokens, g.tokens)) if x != y),
+                             min(len(s.tokens), len(g.tokens)))
+                r["mismatches"].append({"prompt": i, "first_difference_at": first})
+            r["blocks"] += s.blocks
+            r["seconds"] += s.seconds
+            r["forwards"] += s.forwards
+            r["tokens"] += len(s.tokens)
+
+    def summary(r):
+        out = acceptance_summary(r["blocks"], block)
+        out.update({"new_tokens": r["tokens"], "tokens_per_target_forward": r["tokens"] / max(r["forwards"], 1),
+                    "speculative_seconds": round(r["seconds"], 3), "speedup": t_greedy / max(r["seconds"], 1e-9),
+                    "mismatches": r["mismatches"]})
+        return out
+
+    out = summary(runs["drafter"])
+    out.update({"prompts": n, "greedy_seconds": round(t_greedy, 3),
+                "greedy_ms_per_token": round(1000 * t_greedy / max(g_forwards, 1), 3)})
+    if prompt_lookup:
+        out["prompt_lookup"] = summary(runs["prompt_lookup"])
+        out["mismatches"] = out["mismatches"] + [{"method": "prompt_lookup", **x}
+                                                 for x in out["prompt_lookup"]["mismatches"]]
+    return out
 
 
 def evaluate_drafter(cfg: SpecConfig) -> dict:
-    """Decode cfg.prompts prompts of cfg.data greedily and speculatively: tau, speedup, exactness."""
+    """Decode the prompts of cfg.data (its last cfg.prompts rows) and of each prompt set (their
+    first cfg.prompts rows) greedily, with the drafter and with prompt lookup: tau, speedup,
+    exactness per set. The first set's figures are also the result's own keys."""
     from shared.target import end_of_turn, load_target, load_tokenizer
+    if not cfg.data and not cfg.prompt_set:
+        raise ValueError("give --data and/or --prompt-set (mt-bench, humaneval, or a DATA file)")
     dev, dt = resolve_device(cfg.device, cfg.dtype)
     model = load_target(cfg.target, dev, dt)
     tok = load_tokenizer(cfg.target)
     drafter = load_served_drafter(cfg.drafter, dev, dt)
     eos = end_of_turn(tok)[1]
-    prompts = prompts_from(cfg.data, tok, cfg.prompts, cfg.max_prompt, cfg.chat_template_kwargs)
-    summary = decode_all(model, drafter, prompts, cfg.max_new, eos, cfg.progress)
-    summary.update({"device": str(dev), "dtype": str(dt).removeprefix("torch.")})
-    return summary
+    sets = {}
+    if cfg.data:
+        sets["data"] = prompts_from(cfg.data, tok, cfg.prompts, cfg.max_prompt, cfg.chat_template_kwargs)
+    for spec in cfg.prompt_set:
+        sets[spec] = Dialogues(spec, tok, cfg.prompts, cfg.max_prompt, cfg.chat_template_kwargs)
+    results = {name: decode_all(model, drafter, prompts, cfg.max_new, eos, cfg.progress, cfg.prompt_lookup)
+               for name, prompts in sets.items()}
+    first = next(iter(results.values()))
+    return {**first, "sets": results, "mismatches": [{"set": k, **m} for k, r in results.items() for m in r["mismatches"]],
+            "device": str(dev), "dtype": str(dt).removeprefix("torch.")}
 
 
 def main(argv=None) -> int:
@@ -244,20 +333,31 @@ def main(argv=None) -> int:
         cfg = from_args(SpecConfig, parser_for(SpecConfig, "python -m eval.speculative", __doc__).parse_args(argv))
     except SystemExit as e:  # argparse has printed why
         return int(e.code or 0)
-    s = evaluate_drafter(cfg)
-    print(f"tau {s['tau']:.3f} over {s['blocks']} blocks ({s['prompts']} prompts, {s['new_tokens']} tokens); "
-          f"tokens per target forward {s['tokens_per_target_forward']:.3f}")
-    print("accepted-length histogram (tokens committed per verification): "
-          + " ".join(f"{i}:{c}" for i, c in enumerate(s["histogram"]) if c))
-    print(f"wall clock ({s['device']}, {s['dtype']}): greedy {s['greedy_seconds']:.2f}s, speculative "
-          f"{s['speculative_seconds']:.2f}s, speedup {s['speedup']:.2f}x")
+    try:
+        s = evaluate_drafter(cfg)
+    except (ValueError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for name, r in s["sets"].items():
+        print(f"[{name}] tau {r['tau']:.3f} over {r['blocks']} blocks ({r['prompts']} prompts, {r['new_tokens']} "
+              f"tokens); tokens per target forward {r['tokens_per_target_forward']:.3f}")
+        print(f"[{name}] accepted-length histogram (tokens committed per verification): "
+              + " ".join(f"{i}:{c}" for i, c in enumerate(r["histogram"]) if c))
+        print(f"[{name}] wall clock ({s['device']}, {s['dtype']}): greedy {r['greedy_seconds']:.2f}s, speculative "
+              f"{r['speculative_seconds']:.2f}s, speedup {r['speedup']:.2f}x")
+        if "prompt_lookup" in r:
+            pl = r["prompt_lookup"]
+            print(f"[{name}] prompt lookup: tau {pl['tau']:.3f}, tokens per target forward "
+                  f"{pl['tokens_per_target_forward']:.3f}, speedup {pl['speedup']:.2f}x; the drafter's tau is "
+                  f"{r['tau'] / max(pl['tau'], 1e-9):.2f}x prompt lookup's")
     if cfg.json:
         Path(cfg.json).write_text(json.dumps(s, indent=2))
     if s["mismatches"]:
         print(f"ERROR: speculative output differs from greedy on {len(s['mismatches'])} prompt(s): "
               f"{s['mismatches'][:5]}", file=sys.stderr)
         return 1
-    print("output equals plain greedy decoding on every prompt")
+    print("output equals plain greedy decoding on every prompt" + (", with the drafter and with prompt lookup"
+                                                                  if cfg.prompt_lookup else ""))
     return 0
 
 

@@ -20,6 +20,7 @@ class ExtractConfig:
                                             "--draft-layers); id i = output of decoder layer i = HF "
                                             "hidden_states[i+1]", flag="--layers")
     draft_layers: int = opt(5, "draft layers the default layer set is made for")
+    max_rows: int = opt(0, "read only DATA's first N rows (0: all), e.g. a slice of ShareGPT")
     max_len: int = opt(4096, "longer sequences are truncated or skipped")
     too_long: Literal["truncate", "skip"] = opt("truncate", "what happens to a sequence over --max-len")
     chat_template_kwargs: dict = opt(help="JSON object passed to the chat template, as serving passes it, e.g. "
@@ -90,6 +91,7 @@ class ExtractConfig:
 
     def run_key(self) -> dict:
         """Settings that change the store's contents: a resumed run must match them."""
-        return {k: getattr(self, k) for k in ("max_len", "too_long", "precision", "codec", "topk",
-                                              "shard_tokens", "chunk_tokens", "chat_template_kwargs",
-                                              "inexact_turns", "strip_reasoning")}
+        return {**({"max_rows": self.max_rows} if self.max_rows else {}),  # absent: stores made before it resume
+                **{k: getattr(self, k) for k in ("max_len", "too_long", "precision", "codec", "topk",
+                                                 "shard_tokens", "chunk_tokens", "chat_template_kwargs",
+                                                 "inexact_turns", "strip_reasoning")}}

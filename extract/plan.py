@@ -39,7 +39,7 @@ def by_length(lengths: list[int]) -> np.ndarray:
 def plan(cfg: ExtractConfig, manifest: sc.Manifest, tokenizer, n_layers: int, hidden: int, planner: dict | None = None):
     """Tokenize DATA and create the store with its tokens and index."""
     _, encoded, report = encode_all(cfg.data, tokenizer, cfg.max_len, cfg.too_long, cfg.progress,
-                                    cfg.chat_template_kwargs, cfg.inexact_turns, cfg.strip_reasoning)
+                                    cfg.chat_template_kwargs, cfg.inexact_turns, cfg.strip_reasoning, cfg.max_rows)
     manifest.data.report = report.to_dict()
     write_plan(cfg, manifest, encoded, n_layers, hidden, planner)
     for reason, n in sorted(report.skipped.items()):

@@ -27,6 +27,7 @@ class RegenConfig:
     concurrency: int = opt(16, "openai engine: requests in flight")
     retries: int = opt(5, "openai engine: attempts per request on errors, 429 and 5xx (exponential backoff)")
     request_timeout: float = opt(600.0, "openai engine: seconds per request")
+    max_rows: int = opt(0, "regenerate only DATA's first N rows (0: all), e.g. a slice of ShareGPT")
     turns: Literal["last", "all"] = opt("last", "regenerate the last assistant turn, or every one in order "
                                                 "(each conditioned on the regenerated earlier ones)")
     max_new_tokens: int = opt(512, "tokens per generated turn; a turn that hits it is kept, its finish "
@@ -60,4 +61,5 @@ class RegenConfig:
         """The settings that decide what is generated: a resumed run must repeat them."""
         keys = ("engine", "model", "turns", "max_new_tokens", "temperature", "top_p", "seed",
                 "chat_template_kwargs", "drop_length", "max_prompt_len", "shard_rows", "batch_size", "dtype")
-        return {k: getattr(self, k) for k in keys}
+        # max_rows only when set: an OUT written before the option resumes
+        return {k: getattr(self, k) for k in keys} | ({"max_rows": self.max_rows} if self.max_rows else {})

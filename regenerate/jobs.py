@@ -45,7 +45,11 @@ class Job:
     @classmethod
     def of(cls, g, fi, ri, row, msgs, turns: str) -> "Job":
         asst = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
-        if not asst:  # a prompt-only row: the answer is appended
+        if not asst:  # a prompt-only row: the answer is appended; --turns all: one after each user turn
+            if turns == "all":  # MT-Bench: the second question follows the target's own first answer
+                users = [i for i, m in enumerate(msgs) if m["role"] == "user"]
+                return cls(g, fi, ri, row, [msgs[(users[k - 1] + 1 if k else 0):i + 1]
+                                            for k, i in enumerate(users)], msgs[users[-1] + 1:] if users else [])
             return cls(g, fi, ri, row, [msgs], [])
         if turns == "last":
             return cls(g, fi, ri, row, [msgs[:asst[-1]]], msgs[asst[-1] + 1:])
@@ -75,6 +79,8 @@ def read_jobs(cfg: RegenConfig) -> tuple[list[dict], list[Job], Counter, dict]:
     jobs, skipped, examples = [], Counter(), {}
     files = [Path(s["path"]) for s in sources]
     for g, (fi, ri, where, row) in enumerate(iter_rows(files)):
+        if cfg.max_rows and g >= cfg.max_rows:
+            break
         try:
             if isinstance(row, RowError):
                 raise row

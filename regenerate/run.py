@@ -18,6 +18,7 @@ from pathlib import Path
 from regenerate.config import RegenConfig, RegenError
 from regenerate.engines import LocalEngine, OpenAIEngine
 from regenerate.jobs import Job, read_jobs
+from shared.data import CHAT_FIELDS
 from shared.launch import WorkerFailed, run_workers
 from shared.location import atomic_write_text
 from shared.progress import log, progress_bar
@@ -55,7 +56,7 @@ def run_shard(engine, cfg: RegenConfig, k: int, jobs: list[Job], sources: list[d
             stats["skipped_length"] += 1
             examples.setdefault("length", f"{sources[j.file]['path']} row {j.row}: hit --max-new-tokens (--drop-length)")
             continue
-        row = {k2: v for k2, v in j.source.items() if k2 not in ("messages", "conversations", "meta")}
+        row = {k2: v for k2, v in j.source.items() if k2 not in (*CHAT_FIELDS, "meta")}
         row["messages"] = j.done + j.tail
         row["meta"] = {"source": {"file": sources[j.file]["path"], "row": j.row, "sha256": sources[j.file]["sha256"]},
                        "target": target_id, "generation": gen, "finish_reason": j.reasons[-1],

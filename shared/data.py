@@ -1,9 +1,11 @@
 """DATA -> token ids and loss masks.
 
-DATA is a .jsonl/.json/.parquet file, a glob of them, a folder of them, or a folder written by
-`datasets.save_to_disk`. Rows are chats (`messages` or `conversations`; role/content or ShareGPT
-from/value; reasoning as `reasoning_content`, `reasoning` or inline <think>) rendered with the
-target's chat template, or plain `text`. A chat's loss covers what the model writes in each
+DATA is a .jsonl/.json/.parquet file (.jsonl.gz, .json.gz too), a glob of them, a folder of
+them, or a folder written by `datasets.save_to_disk`; a .json array cut off mid-record (ShareGPT's
+packaged copy) is read record by record up to the break. Rows are chats (`messages` or
+`conversations`; role/content or ShareGPT from/value; reasoning as `reasoning_content`,
+`reasoning` or inline <think>) rendered with the target's chat template, prompt sets (MT-Bench's
+`turns`, HumanEval's `prompt`: user turns only, answered by regeneration), or plain `text`. A chat's loss covers what the model writes in each
 assistant turn, through its end-of-turn token, after exactly the context serving gives it
 (shared/chat.py); a multi-turn chat may become several samples. Plain text: every token.
 """
@@ -11,6 +13,7 @@ assistant turn, through its end-of-turn token, after exactly the context serving
 from __future__ import annotations
 
 import codecs
+import gzip
 import glob as globlib
 import hashlib
 import json
@@ -22,8 +25,16 @@ from typing import Iterator
 import numpy as np
 
 from shared.chat import ChatError, ChatRenderer, ChatSamples, Sample
+from shared.named_data import NAMED, NamedDataError, named_path
 
-SUFFIXES = (".jsonl", ".json", ".parquet")
+SUFFIXES = (".jsonl", ".json", ".parquet", ".jsonl.gz", ".json.gz")
+
+
+def _data_suffix(p: Path) -> str | None:
+    """The DATA suffix a file name ends with (".jsonl.gz" before ".gz"), or None."""
+    return next((x for x in sorted(SUFFIXES, key=len, reverse=True) if p.name.endswith(x)), None)
+# the fields a chat row is read from, in this order: chats, then prompt sets (user turns only)
+CHAT_FIELDS = ("messages", "conversations", "turns", "prompt")
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "system": "system", "tool": "tool", "function": "tool"}
 
@@ -94,14 +105,20 @@ def _folder_sources(p: Path) -> list[Path]:
     for child in sorted(p.iterdir()):
         if child.is_dir():
             out += _folder_sources(child)
-        elif child.suffix in SUFFIXES:
+        elif _data_suffix(child):
             out.append(child)
     return out
 
 
 def resolve(data: str) -> list[Path]:
-    """The sources that DATA names (files, and save_to_disk folders), in a stable order."""
+    """The sources that DATA names (files, and save_to_disk folders, or a registry set by name:
+    shared/named_data.py), in a stable order."""
     p = Path(data)
+    if data in NAMED and not p.exists():
+        try:
+            return [named_path(data)]
+        except NamedDataError as e:
+            raise DataError(f"DATA {data}: {e}") from None
     if p.is_dir():
         files = _folder_sources(p)
         if not files:
@@ -109,11 +126,11 @@ def resolve(data: str) -> list[Path]:
                             f"datasets.save_to_disk folder")
         return files
     if p.is_file():
-        if p.suffix not in SUFFIXES:
+        if not _data_suffix(p):
             raise DataError(f"DATA {data}: unsupported file type {p.suffix!r} (use {', '.join(SUFFIXES)})")
         return [p]
     if any(c in data for c in "*?["):
-        files = sorted(Path(f) for f in globlib.glob(data, recursive=True) if Path(f).suffix in SUFFIXES)
+        files = sorted(Path(f) for f in globlib.glob(data, recursive=True) if _data_suffix(Path(f)))
         if not files:
             raise DataError(f"DATA {data}: the glob matches no {'/'.join(SUFFIXES)} file")
         return files
@@ -156,17 +173,20 @@ def iter_rows(files: list[Path]) -> Iterator[tuple[int, int, str, dict | RowErro
         # JSON lines are parsed here rather than by datasets so that one malformed line is
         # reported with its line number and skipped, instead of failing the whole file.
         raw = f.read_bytes()
+        if f.name.endswith(".gz"):  # HumanEval ships HumanEval.jsonl.gz
+            try:
+                raw = gzip.decompress(raw)
+            except (OSError, EOFError) as e:
+                raise DataError(f"DATA {f}: not a readable gzip file ({e})") from None
         if raw.startswith(codecs.BOM_UTF8):  # UTF-8 with a byte-order mark (Windows editors)
             raw = raw[len(codecs.BOM_UTF8):]
-        if f.suffix == ".json" and raw.lstrip().startswith(b"["):
+        if _data_suffix(f).startswith(".json") and not _data_suffix(f).startswith(".jsonl") \
+                and raw.lstrip().startswith(b"["):
             try:
-                rows = json.loads(raw.decode("utf-8"))
+                text = raw.decode("utf-8")
             except UnicodeDecodeError as e:
                 raise DataError(f"DATA {f}: not UTF-8 (byte {e.start}: {raw[e.start:e.start + 4]!r})") from None
-            except json.JSONDecodeError as e:
-                raise DataError(f"DATA {f}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
-            for ri, row in enumerate(rows):
-                yield fi, ri, f"{f} row {ri}", row
+            yield from ((fi, ri, w, row) for ri, w, row in _json_array_rows(f, text))
             continue
         for ri, bline in enumerate(raw.splitlines()):
             where = f"{f} line {ri + 1}"
@@ -184,6 +204,47 @@ def iter_rows(files: list[Path]) -> Iterator[tuple[int, int, str, dict | RowErro
                 yield fi, ri, where, json.loads(line)
             except json.JSONDecodeError as e:
                 yield fi, ri, where, RowError("malformed_json", where, f"malformed JSON ({e.msg} at column {e.colno})")
+
+
+def _json_array_rows(f: Path, text: str) -> Iterator[tuple[int, str, dict | RowError]]:
+    """The records of a JSON array, one at a time. A file cut off mid-record (ShareGPT's packaged
+    copy is) yields every complete record, then one `truncated_json` row error naming where the
+    broken tail starts; a malformed record elsewhere is an error for the whole file."""
+    try:
+        rows = json.loads(text)
+    except json.JSONDecodeError as whole:
+        dec, pos, ri = json.JSONDecoder(), text.index("[") + 1, 0
+        while True:
+            while pos < len(text) and text[pos] in " \t\r\n,":
+                pos += 1
+            if pos >= len(text) or text[pos] == "]":
+                # the array is complete record by record, yet json.loads failed: say where
+                raise DataError(f"DATA {f}: invalid JSON at line {whole.lineno} column {whole.colno}: "
+                                f"{whole.msg}") from None
+            try:
+                row, end = dec.raw_decode(text, pos)
+            except json.JSONDecodeError as e:
+                if text[pos:].strip() and json_cut_off(text[pos:]):
+                    where = f"{f} row {ri}"
+                    yield ri, where, RowError("truncated_json", where, f"the file ends inside this record "
+                                              f"(at character {pos:,} of {len(text):,}): {ri} complete "
+                                              f"record(s) before it are read")
+                    return
+                raise DataError(f"DATA {f}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+            yield ri, f"{f} row {ri}", row
+            ri, pos = ri + 1, end
+    for ri, row in enumerate(rows):
+        yield ri, f"{f} row {ri}", row
+
+
+def json_cut_off(tail: str) -> bool:
+    """Whether a JSON value that fails to parse is one cut off at the end of the text (its parse
+    fails only because the text ends), not one malformed in the middle."""
+    try:
+        json.loads(tail)
+    except json.JSONDecodeError as e:
+        return e.pos >= len(tail.rstrip()) - 1 or "Unterminated string" in e.msg
+    return False
 
 
 def _content(value, where: str, i: int) -> str:
@@ -221,15 +282,22 @@ def _tool_calls(value, where: str, i: int) -> list[dict]:
 
 def normalize_chat(row: dict, where: str, require_assistant: bool = True) -> list[dict] | None:
     """Messages in the transformers chat format from `messages` or `conversations` (role/content
-    or ShareGPT from/value), tool calls and tool results included; None if the row is plain text.
-    require_assistant=False accepts prompt-only chats (regeneration writes their answer)."""
-    key = "messages" if "messages" in row else "conversations" if "conversations" in row else None
+    or ShareGPT from/value), tool calls and tool results included; from `turns` (MT-Bench: user
+    turns) or `prompt` (HumanEval: the code prompt as the user message, verbatim); None if the row
+    is plain text. require_assistant=False accepts prompt-only chats (regeneration writes their
+    answers)."""
+    key = next((k for k in CHAT_FIELDS if k in row), None)
     if key is None:
         if "text" in row:
             return None
-        raise RowError("bad_field", where, f"no 'messages', 'conversations' or 'text' field "
+        raise RowError("bad_field", where, f"no {', '.join(repr(k) for k in CHAT_FIELDS)} or 'text' field "
                                            f"(fields: {sorted(row)})")
     msgs = row[key]
+    if key in ("turns", "prompt"):  # prompt sets: MT-Bench's user turns, HumanEval's code prompt
+        msgs = [msgs] if key == "prompt" and isinstance(msgs, str) else msgs
+        if not isinstance(msgs, list) or not all(isinstance(t, str) for t in msgs):
+            raise RowError("bad_field", where, f"field '{key}' is not {'a string' if key == 'prompt' else 'a list of strings'}")
+        msgs = [{"role": "user", "content": t} for t in msgs]
     if not isinstance(msgs, list) or not msgs:
         raise RowError("empty_conversation", where, f"field '{key}' is empty")
     out = []
@@ -340,13 +408,16 @@ class Encoder:
 
 
 def encode_all(data: str, tokenizer, max_len: int, too_long: str, progress: bool = True,
-               template_kwargs: dict | None = None, inexact: str = "split", drop_reasoning: bool = False):
-    """Every usable row of DATA, encoded (one or more samples each), with a report of what was
-    skipped and why and what the chats cost in samples."""
+               template_kwargs: dict | None = None, inexact: str = "split", drop_reasoning: bool = False,
+               max_rows: int = 0):
+    """Every usable row of DATA (of its first max_rows rows, 0 = all), encoded (one or more
+    samples each), with a report of what was skipped and why and what the chats cost in samples."""
     from shared.progress import progress_bar
     files = resolve(data)
     enc, report, out = Encoder(tokenizer, max_len, too_long, template_kwargs, inexact, drop_reasoning), Report(), []
     for fi, ri, where, row in progress_bar(iter_rows(files), desc="tokenize", unit=" rows", disable=not progress):
+        if max_rows and report.rows >= max_rows:
+            break
         report.rows += 1
         try:
             if isinstance(row, RowError):

@@ -1,5 +1,6 @@
 """Target checkpoints: validation, loading, the layer-id convention, fingerprints, and loading
-only `embed_tokens` / `lm_head` for the trainer.
+only `embed_tokens` / `lm_head` for the trainer. A target is a HF checkpoint folder of a supported
+family (shared/families.py) or a .gguf file (converted once, shared/gguf.py).
 
 Layer-id convention (docs/DESIGN.md, "Layer ids"): layer id i is the output of decoder layer i, i.e.
 HF `hidden_states[i + 1]`. vLLM numbers the same layers one higher.
@@ -17,7 +18,9 @@ from pathlib import Path
 
 import torch
 
-SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3")
+from shared.families import FAMILIES, family_of, supported_model_types
+from shared.gguf import target_dir
+
 LAYER_CONVENTION = "layer id i = output of decoder layer i = HF hidden_states[i+1]"
 
 
@@ -36,8 +39,9 @@ def default_layer_ids(num_target_layers: int, num_draft_layers: int = 5) -> list
 
 
 def read_config(path: str | Path) -> dict:
-    """The target's text config as a dict, after checking that it is a supported checkpoint."""
-    path = Path(path)
+    """The target's decoder config as a dict, after checking that it is a checkpoint of a
+    supported family (shared/families.py). A .gguf file is first converted (shared/gguf.py)."""
+    path = target_dir(path)
     cfg_file = path / "config.json"
     if not path.exists():
         raise TargetError(f"TARGET {path}: no such directory")
@@ -48,10 +52,11 @@ def read_config(path: str | Path) -> dict:
     except json.JSONDecodeError as e:
         raise TargetError(f"TARGET {cfg_file}: invalid JSON ({e})") from None
     mt = cfg.get("model_type")
-    if mt not in SUPPORTED_MODEL_TYPES:
+    fam = family_of(mt)
+    if fam is None:
         raise TargetError(f"TARGET {cfg_file}: model_type {mt!r} is not supported "
-                          f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
-    text = cfg.get("text_config", cfg) if mt == "qwen3_5" else cfg
+                          f"(supported: {', '.join(supported_model_types())})")
+    text = fam.text_config(cfg)
     for key in ("num_hidden_layers", "hidden_size", "vocab_size"):
         if key not in text:
             raise TargetError(f"TARGET {cfg_file}: field {key!r} missing")
@@ -105,15 +110,16 @@ def end_of_turn(tokenizer) -> tuple[str, int | None]:
 
 def load_tokenizer(path: str | Path):
     from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(str(path))
+    tok = AutoTokenizer.from_pretrained(str(target_dir(path)))
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok
 
 
 def load_target(path: str | Path, device: torch.device, dtype: torch.dtype):
-    read_config(path)
-    if device.type == "cpu":
+    path = target_dir(path)
+    cfg = read_config(path)
+    if device.type == "cpu" and family_of(cfg["model_type"]).fla:
         use_torch_kernels_on_cpu()
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
@@ -121,8 +127,7 @@ def load_target(path: str | Path, device: torch.device, dtype: torch.dtype):
 
 
 def decoder_layers(model) -> torch.nn.ModuleList:
-    inner = model.model
-    return inner.language_model.layers if hasattr(inner, "language_model") else inner.layers
+    return (family_of(getattr(model.config, "model_type", None)) or FAMILIES[-1]).decoder_layers(model)
 
 
 # --- fingerprints ---------------------------------------------------------------------------
@@ -136,7 +141,7 @@ def _safetensors_header(f: Path) -> bytes:
 def check_safetensors(path: str | Path):
     """Open every safetensors file's header before any work: a truncated download or a garbled
     header is refused with the file's name, not found by a traceback after the store is planned."""
-    for f in sorted(Path(path).glob("*.safetensors")):
+    for f in sorted(target_dir(path).glob("*.safetensors")):
         size = f.stat().st_size
         try:
             if size < 8:
@@ -159,7 +164,7 @@ def weights_fingerprint(path: str | Path) -> str:
     its first and last MiB of tensor bytes: cheap on 50 GB of weights, and changes when weights do
     in practice (same-shape retrains change the sampled bytes)."""
     h = hashlib.sha256()
-    for f in sorted(Path(path).glob("*.safetensors")):
+    for f in sorted(target_dir(path).glob("*.safetensors")):
         h.update(f.name.encode())
         h.update(_safetensors_header(f))
         size = f.stat().st_size
@@ -210,7 +215,7 @@ def load_embed_and_head(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
     """(embed_tokens.weight, lm_head.weight) read straight from the safetensors files: the rest
     of the target is never loaded."""
     from safetensors import safe_open
-    path = Path(path)
+    path = target_dir(path)
     cfg = read_config(path)
     index = _tensor_index(path)
 

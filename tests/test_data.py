@@ -61,7 +61,7 @@ def test_bad_rows_are_counted_and_named(tiny, tmp_path):
         {"messages": [{"role": "user", "content": "only a question"}]},
         {"messages": []},
         {"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "   "}]},
-        {"prompt": "no known field"},
+        {"query": "no known field"},
         {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a " * 300}]},
         good,
     ])
@@ -72,7 +72,7 @@ def test_bad_rows_are_counted_and_named(tiny, tmp_path):
     assert f"{path} line 2" in report.examples["malformed_json"]
     assert f"{path} line 3" in report.examples["no_assistant_turn"]
     assert "field 'messages' is empty" in report.examples["empty_conversation"]
-    assert "'prompt'" in report.examples["bad_field"]
+    assert "'query'" in report.examples["bad_field"]
 
 
 def test_missing_or_empty_data_is_a_clear_error(tiny, tmp_path):
@@ -111,9 +111,9 @@ def test_cli_errors_before_any_work(tiny, tmp_path, capsys):
     notarget.mkdir()
     assert main(["--data", str(tiny["corpus"]), "--target", str(notarget), "--store", str(store)]) == 2
     assert "no config.json" in capsys.readouterr().err
-    (notarget / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (notarget / "config.json").write_text(json.dumps({"model_type": "bert"}))
     assert main(["--data", str(tiny["corpus"]), "--target", str(notarget), "--store", str(store)]) == 2
-    assert "model_type 'llama' is not supported" in capsys.readouterr().err
+    assert "model_type 'bert' is not supported" in capsys.readouterr().err
     assert main(["--data", str(tiny["corpus"]), "--target", str(tiny["target"]), "--store", str(store),
                  "--gpus", "7"]) == 2
     assert "GPU [7] does not exist" in capsys.readouterr().err

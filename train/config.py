@@ -164,15 +164,17 @@ class DrafterConfig:
             raise ConfigError(f"drafter config {p}: invalid JSON ({e})") from None
 
     @classmethod
-    def default_for(cls, manifest: Manifest, num_layers: int = 5, block_size: int = 16) -> "DrafterConfig":
+    def default_for(cls, manifest: Manifest, num_layers: int = 5, block_size: int = 16,
+                    mask_token_id: int | None = None) -> "DrafterConfig":
         """DFlash defaults derived from the store's target: same hidden size, the target's heads,
         head_dim at most 128, its intermediate size, DFlash's default layers for num_layers."""
         t = manifest.target
         tc = t.config
-        mask = manifest.tokenizer.mask_token_id
+        mask = mask_token_id if mask_token_id is not None else manifest.tokenizer.mask_token_id
         if mask is None:
-            raise ConfigError("the target tokenizer has no mask token: give a drafter config with "
-                              "dflash_config.mask_token_id (DRAFT=...)")
+            raise ConfigError("the target tokenizer has no mask token: give --mask-token-id N (a token id the "
+                              "chats never hold, e.g. a spare special token; serving reads it from the export's "
+                              "dflash_config.mask_token_id) or a drafter config (DRAFT=...)")
         head_dim = min(int(tc.get("head_dim") or t.hidden_size // tc["num_attention_heads"]), 128)
         return cls(hidden_size=t.hidden_size, num_attention_heads=tc["num_attention_heads"],
                    num_key_value_heads=tc.get("num_key_value_heads", tc["num_attention_heads"]),
@@ -192,6 +194,8 @@ class TrainConfig:
     target: str | None = opt(None, "where embed_tokens/lm_head are read (default: the manifest's target path)")
     draft: str | None = opt(None, "drafter config.json in the public DFlash format (default: derived from the store)")
     draft_layers: int = opt(5, "draft layers of the derived default drafter")
+    mask_token_id: int | None = opt(None, "the derived drafter's mask token (default: the tokenizer's mask token; "
+                                          "targets without one, e.g. llama-family, need it)")
     block_size: int = opt(16, "block size of the derived default drafter")
     gpus: list[int] = opt(help="e.g. 0,1,2,3; empty: CPU", parse=parse_gpus, default_factory=list)
     seq_len: int = opt(4096, "packed row length (one static shape)")

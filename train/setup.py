@@ -51,7 +51,7 @@ def init_distributed(cfg: TrainConfig) -> tuple[int, int, torch.device, bool]:
 def resolve_config(cfg: TrainConfig, store: Store) -> DrafterConfig:
     if cfg.draft:
         return DrafterConfig.load(cfg.draft)
-    return DrafterConfig.default_for(store.manifest, cfg.draft_layers, cfg.block_size)
+    return DrafterConfig.default_for(store.manifest, cfg.draft_layers, cfg.block_size, cfg.mask_token_id)
 
 
 def check_store(store: Store, dcfg: DrafterConfig, embed: torch.Tensor, head: torch.Tensor, target: str,

