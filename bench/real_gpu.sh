@@ -1,27 +1,84 @@
 #!/usr/bin/env bash
-# A real target on one GPU (issue 25): SmolLM2-135M-Instruct (GGUF) extracted over ShareGPT's
-# first 2,000 records (dataset answers), a drafter trained from the store, evaluated on MT-Bench
-# and HumanEval beside prompt lookup. Run by the device tool with the GGUF in parts (it is larger
-# than one call carries): part 00 was copied to /tmp/gg by the call before, parts 01-02 and the
-# ShareGPT slice (.gg/sharegpt-2000.jsonl: our reader's first 2,000 complete records) travel here.
-#   STEPS, PROMPTS, MAX_NEW, LAYERS: the run's size.
-set -euo pipefail
+# A real target on one GPU (issue 25): SmolLM2-135M-Instruct (GGUF) answers ShareGPT's first turns,
+# stores of dataset and regenerated answers are extracted, drafters are trained from them and
+# evaluated on MT-Bench and HumanEval beside prompt lookup. Run by the device tool in three
+# consecutive calls (files outside the tree stay while the machine is warm):
+#   bash bench/real_gpu.sh prep    carry .whl, .gg/smol.part00: wheels into /tmp/site, part 00 to /tmp/gg
+#   bash bench/real_gpu.sh data    carry .gg/smol.part01, .gg/smol.part02, .gg/sharegpt-first.jsonl.gz:
+#                                  decoder benchmark, regeneration, extraction of dataset and
+#                                  regenerated answers; trainings start in the background (setsid)
+#                                  as their stores are written
+#   bash bench/real_gpu.sh eval    waits for the trainings, evaluates every drafter; results under $OUT
+# .gg/sharegpt-first.jsonl.gz: the first (human, gpt) pair of ShareGPT's first 6,000 records that
+# begin with one (`python -m shared.named_data sharegpt`, read by our reader).
+#   ROWS, STEPS, PROMPTS, MAX_NEW, REGEN_BATCH: the run's size.
+set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 DFLASH_TARGET_CACHE=/tmp/targets HF_HUB_OFFLINE=1
-STEPS=${STEPS:-1500}; PROMPTS=${PROMPTS:-30}; MAX_NEW=${MAX_NEW:-128}; LAYERS=${LAYERS:-3}
+ROWS=${ROWS:-4000}; STEPS=${STEPS:-1000}; PROMPTS=${PROMPTS:-16}; MAX_NEW=${MAX_NEW:-192}
+REGEN_BATCH=${REGEN_BATCH:-512}
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/gg /tmp/s /tmp/r /tmp/d /tmp/log
 T=/tmp/gg/SmolLM2-135M-Instruct.Q4_1.gguf
-[ -f $T ] || cat /tmp/gg/smol.part00 .gg/smol.part01 .gg/smol.part02 > $T
-md5sum $T   # a1231443440b107ff29f02bdb38c9d0a
-nvidia-smi --query-gpu=name --format=csv,noheader
-t0=$(date +%s)
-python3 -m extract --data .gg/sharegpt-2000.jsonl --target $T --store /tmp/s/real --gpus 0 --max-len 2048 \
-    --draft-layers $LAYERS --no-progress
-t1=$(date +%s)
-python3 -m train --store /tmp/s/real --out /tmp/r/real --gpus 0 --draft-layers $LAYERS --mask-token-id 0 \
-    --seq-len 4096 --max-anchors 256 --labels argmax --max-steps $STEPS --lr 3e-3 --log-every 100 \
-    --eval-every 500 --eval-samples 64 --no-progress
-t2=$(date +%s)
-python3 -m eval.speculative --drafter /tmp/r/real/export --target $T --prompt-set mt-bench \
-    --prompt-set humaneval --prompts $PROMPTS --max-new $MAX_NEW --no-progress --json "${OUT:-/tmp}/eval.json"
-t3=$(date +%s)
-cp /tmp/r/real/metrics.jsonl "${OUT:-/tmp}/" || true
-echo "seconds: extract $((t1 - t0)) train $((t2 - t1)) eval $((t3 - t2))"
+DATA=.gg/sharegpt-first.jsonl.gz
+stamp() { echo "[$(date +%T)] $*"; }
+
+train_bg() {  # name store [train options...]: a background training that outlives this call
+    local name=$1 store=$2; shift 2
+    setsid nohup bash -c "python3 -m train --store $store --out /tmp/r/$name --gpus 0 --mask-token-id 0 \
+        --seq-len 4096 --max-anchors 256 --max-steps $STEPS --lr 3e-3 --log-every 100 --eval-every 250 \
+        --eval-samples 64 --workers 2 --no-progress $* > /tmp/log/train-$name.log 2>&1; \
+        echo \$? > /tmp/r/$name.rc" > /dev/null 2>&1 &
+}
+
+case "${1:-}" in
+prep)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    cp .gg/smol.part00 /tmp/gg/
+    nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+    # the static decoder's captured step against generate on the GPU (tiny models, fp32)
+    python3 -m pytest -q -p no:cacheprovider tests/test_regenerate_decode.py 2>&1 | tail -3
+    ;;
+data)
+    [ -f $T ] || cat /tmp/gg/smol.part00 .gg/smol.part01 .gg/smol.part02 > $T
+    md5sum $T   # a1231443440b107ff29f02bdb38c9d0a
+    stamp "decoder benchmark"
+    timeout 200 python3 bench/regen_bench.py --target $T --data $DATA --max-new 512 --max-prompt-len 1024 \
+        --decoders generate:256:256,static:512:2048,static:1024:2048 --json $OUT/regen_bench.json 2>&1 \
+        | grep -v -i "warn\|it/s"
+    stamp "regenerate $ROWS first turns (greedy, batch $REGEN_BATCH)"
+    timeout 200 python3 -m regenerate --data $DATA --max-rows $ROWS --target $T --out /tmp/d/regen --gpus 0 \
+        --batch-size $REGEN_BATCH --max-new-tokens 512 --max-prompt-len 2048 --no-progress 2>&1 | tail -4
+    cp /tmp/d/regen/part-00000.jsonl $OUT/regen-part-00000.jsonl 2>/dev/null
+    for spec in "data3 $DATA data" "regen3 /tmp/d/regen argmax"; do
+        set -- $spec
+        stamp "extract $1 ($2)"
+        python3 -m extract --data $2 --max-rows $ROWS --target $T --store /tmp/s/$1 --gpus 0 --max-len 2048 \
+            --draft-layers 3 --no-progress 2>&1 | tail -3
+        train_bg $1 /tmp/s/$1 --draft-layers 3 --labels $3
+    done
+    du -sh /tmp/s/*
+    stamp "trainings started"; sleep 30; tail -n 3 /tmp/log/train-*.log
+    ;;
+eval)
+    for name in data3 regen3; do
+        for _ in $(seq 60); do [ -f /tmp/r/$name.rc ] && break; sleep 5; done
+        [ -f /tmp/r/$name.rc ] || { tail -n 5 /tmp/log/train-$name.log; continue; }
+        stamp "$name trained: rc $(cat /tmp/r/$name.rc)"; tail -3 /tmp/log/train-$name.log
+        python3 -m eval.speculative --drafter /tmp/r/$name/export --target $T --prompt-set mt-bench \
+            --prompt-set humaneval --prompts $PROMPTS --max-new $MAX_NEW --no-progress \
+            --json /tmp/r/eval-$name.json > /tmp/log/eval-$name.log 2>&1 &
+    done
+    wait
+    python3 - <<'EOF' > $OUT/real_gpu.json
+import json, glob, os
+res = {}
+for f in sorted(glob.glob("/tmp/r/eval-*.json")):
+    res[os.path.basename(f)[5:-5]] = json.load(open(f))
+for f in sorted(glob.glob("/tmp/r/*/metrics.jsonl")):
+    res.setdefault("metrics", {})[f.split("/")[3]] = [json.loads(l) for l in open(f)]
+print(json.dumps(res))
+EOF
+    tail -n 8 /tmp/log/eval-*.log
+    ;;
+*)
+    echo "usage: bash bench/real_gpu.sh prep|data|eval"; exit 2 ;;
+esac

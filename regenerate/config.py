@@ -39,6 +39,9 @@ class RegenConfig:
                                           "'{\"enable_thinking\": false}'", parse=parse_json_object,
                                      default_factory=dict)
     drop_length: bool = opt(False, "drop rows whose generation hit --max-new-tokens instead of keeping them")
+    decoder: Literal["auto", "static", "generate"] = opt(
+        "auto", "local engine: static = our static-cache greedy decoder, its step a CUDA graph on a GPU "
+                "(dense targets, temperature 0); generate = transformers' generate; auto = static where it applies")
     batch_size: int = opt(32, "local engine: prompts per generate call (batched by prompt length)")
     max_prompt_len: int = opt(4096, "prompts longer than this (tokens) are skipped as too_long")
     shard_rows: int = opt(256, "source rows per output shard (the unit of resume)")
@@ -60,6 +63,7 @@ class RegenConfig:
     def generation(self) -> dict:
         """The settings that decide what is generated: a resumed run must repeat them."""
         keys = ("engine", "model", "turns", "max_new_tokens", "temperature", "top_p", "seed",
-                "chat_template_kwargs", "drop_length", "max_prompt_len", "shard_rows", "batch_size", "dtype")
+                "chat_template_kwargs", "drop_length", "max_prompt_len", "shard_rows", "batch_size", "dtype",
+                "decoder")
         # max_rows only when set: an OUT written before the option resumes
         return {k: getattr(self, k) for k in keys} | ({"max_rows": self.max_rows} if self.max_rows else {})

@@ -17,8 +17,9 @@ from shared.data import Encoder, RowError
 
 
 class LocalEngine:
-    """transformers generate on the target's device, batched by prompt length, with the hybrid
-    (DeltaNet + attention) cache the model's own generate builds."""
+    """The target on its device, batched by prompt length. Greedy turns of a dense target decode
+    with a static cache and a captured step (regenerate/decode.py); sampling and the hybrid
+    (DeltaNet + attention) family go through transformers' generate and the cache it builds."""
 
     def __init__(self, cfg: RegenConfig, device: str, model=None, tokenizer=None):
         import torch
@@ -33,6 +34,12 @@ class LocalEngine:
         self.enc = Encoder(self.tok, cfg.max_prompt_len, "skip", cfg.chat_template_kwargs)
         self.eot = end_of_turn(self.tok)[1]
         self.pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.eot
+        from regenerate.decode import StaticGreedy, supports_static
+        static = cfg.decoder == "static" or (cfg.decoder == "auto" and cfg.temperature == 0
+                                             and supports_static(self.model))
+        if static and (cfg.temperature > 0 or not supports_static(self.model)):
+            raise RegenError("--decoder static decodes greedy turns (--temperature 0) of dense targets only")
+        self.static = StaticGreedy(self.model, cfg.batch_size) if static else None
 
     def generate(self, prompts: list[tuple[list[dict], list | None]], seed: int) -> list[Reply]:
         out: list[Reply | None] = [None] * len(prompts)
@@ -61,6 +68,11 @@ class LocalEngine:
         out: list[tuple[list[int], bool] | None] = [None] * len(ids)
         for b, lo in enumerate(range(0, len(order), self.cfg.batch_size)):
             batch = order[lo:lo + self.cfg.batch_size]
+            if self.static is not None:
+                for i, r in zip(batch, self.static.run([ids[i] for i in batch], self.cfg.max_new_tokens, self.eot,
+                                                       self.pad)):
+                    out[i] = r
+                continue
             S = max(len(ids[i]) for i in batch)
             x = torch.full((len(batch), S), self.pad, dtype=torch.long)
             att = torch.zeros((len(batch), S), dtype=torch.long)

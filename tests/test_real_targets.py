@@ -128,6 +128,25 @@ def test_named_sets_say_what_to_install(monkeypatch):
         resolve("humaneval")
 
 
+def test_a_dense_target_regenerates_the_same_turns_with_the_static_decoder_as_with_generate(llama, tiny, tmp_path):
+    """The regeneration stage end to end, both decoders, multi-turn rows (each turn after the
+    regenerated earlier ones) batched by length: the same rows."""
+    from regenerate.config import RegenConfig
+    from regenerate.run import run
+    d = tmp_path / "d.jsonl"
+    rows = tiny["rows"][:6] + [{"turns": ["first?", "and a second question?"]}]
+    d.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    outs = {}
+    for decoder in ("static", "generate"):
+        out = tmp_path / decoder
+        run(RegenConfig(data=str(d), out=str(out), target=str(llama), decoder=decoder, turns="all",
+                        max_new_tokens=16, batch_size=3, progress=False))
+        outs[decoder] = [json.loads(line) for f in sorted(out.glob("part-*.jsonl")) for line in f.read_text().splitlines()]
+    assert len(outs["static"]) == 7
+    assert [r["messages"] for r in outs["static"]] == [r["messages"] for r in outs["generate"]]
+    assert outs["static"][0]["meta"]["generation"]["decoder"] == "static"
+
+
 def test_regeneration_answers_each_mt_bench_turn_after_its_own_first_answer(tiny, tmp_path):
     from regenerate.config import RegenConfig
     from regenerate.jobs import read_jobs
