@@ -19,22 +19,11 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from numcodecs import LZ4, Blosc, Shuffle, Zstd  # noqa: E402
+from numcodecs import Blosc  # noqa: E402
 
+from shared.compression import TABLE, numcodecs_chain  # noqa: E402
 from shared.schema import bits_to_bf16, fp8_encode  # noqa: E402
 from shared.store import Store  # noqa: E402
-
-
-def codecs(itemsize):
-    return {
-        "none": [],
-        "lz4": [LZ4()],
-        "zstd1": [Zstd(level=1)],
-        "shuffle-zstd3": [Shuffle(elementsize=itemsize), Zstd(level=3)],
-        "blosc-lz41": [Blosc(cname="lz4", clevel=1, shuffle=Blosc.SHUFFLE, typesize=itemsize)],
-        "blosc-zstd1": [Blosc(cname="zstd", clevel=1, shuffle=Blosc.SHUFFLE, typesize=itemsize)],
-        "blosc-zstd3": [Blosc(cname="zstd", clevel=3, shuffle=Blosc.SHUFFLE, typesize=itemsize)],
-    }
 
 
 def run(chain, chunks):
@@ -84,7 +73,8 @@ def main():
     print(f"{'precision/codec':24s}{'B/token':>9s}{'ratio':>8s}{'enc MB/s':>10s}{'dec MB/s':>10s}"
           f"{'cores enc':>10s}{'cores dec':>10s}")
     for prec, chunks, extra in (("bf16", chunks16, 0), ("fp8", chunks8, scale_bytes * tokens // n)):
-        for name, chain in codecs(2 if prec == "bf16" else 1).items():
+        for name in TABLE:
+            chain = numcodecs_chain(name, 2 if prec == "bf16" else 1)
             size, te, td = run(chain, chunks)
             size += extra
             enc_mbs, dec_mbs = raw / te / 1e6, raw / td / 1e6  # per raw bf16 byte, so rows compare

@@ -9,6 +9,7 @@
 #                                  regenerated answers; trainings start in the background (setsid)
 #                                  as their stores are written
 #   bash bench/real_gpu.sh eval    waits for the trainings, evaluates every drafter; results under $OUT
+#   bash bench/real_gpu.sh all     data and eval in one call (a short lease), smaller sizes
 # .gg/sharegpt-first.jsonl.gz: the first (human, gpt) pair of ShareGPT's first 6,000 records that
 # begin with one (`python -m shared.named_data sharegpt`, read by our reader).
 #   ROWS, STEPS, PROMPTS, MAX_NEW, REGEN_BATCH: the run's size.
@@ -41,11 +42,11 @@ data)
     [ -f $T ] || cat /tmp/gg/smol.part00 .gg/smol.part01 .gg/smol.part02 > $T
     md5sum $T   # a1231443440b107ff29f02bdb38c9d0a
     stamp "decoder benchmark"
-    timeout 200 python3 bench/regen_bench.py --target $T --data $DATA --max-new 512 --max-prompt-len 1024 \
-        --decoders generate:256:256,static:512:2048,static:1024:2048 --json $OUT/regen_bench.json 2>&1 \
+    timeout ${BENCH_S:-200} python3 bench/regen_bench.py --target $T --data $DATA --max-new 512 --max-prompt-len 1024 \
+        --decoders ${DECODERS:-generate:256:256,static:512:2048,static:1024:2048} --json $OUT/regen_bench.json 2>&1 \
         | grep -v -i "warn\|it/s"
     stamp "regenerate $ROWS first turns (greedy, batch $REGEN_BATCH)"
-    timeout 200 python3 -m regenerate --data $DATA --max-rows $ROWS --target $T --out /tmp/d/regen --gpus 0 \
+    timeout ${REGEN_S:-200} python3 -m regenerate --data $DATA --max-rows $ROWS --target $T --out /tmp/d/regen --gpus 0 \
         --batch-size $REGEN_BATCH --max-new-tokens 512 --max-prompt-len 2048 --no-progress 2>&1 | tail -4
     cp /tmp/d/regen/part-00000.jsonl $OUT/regen-part-00000.jsonl 2>/dev/null
     for spec in "data3 $DATA data" "regen3 /tmp/d/regen argmax"; do
@@ -56,28 +57,28 @@ data)
         train_bg $1 /tmp/s/$1 --draft-layers 3 --labels $3
     done
     du -sh /tmp/s/*
-    stamp "trainings started"; sleep 30; tail -n 3 /tmp/log/train-*.log
+    stamp "trainings started"
     ;;
 eval)
     for name in data3 regen3; do
         for _ in $(seq 60); do [ -f /tmp/r/$name.rc ] && break; sleep 5; done
         [ -f /tmp/r/$name.rc ] || { tail -n 5 /tmp/log/train-$name.log; continue; }
         stamp "$name trained: rc $(cat /tmp/r/$name.rc)"; tail -3 /tmp/log/train-$name.log
+        cp /tmp/r/$name/metrics.jsonl $OUT/metrics-$name.jsonl
         python3 -m eval.speculative --drafter /tmp/r/$name/export --target $T --prompt-set mt-bench \
             --prompt-set humaneval --prompts $PROMPTS --max-new $MAX_NEW --no-progress \
-            --json /tmp/r/eval-$name.json > /tmp/log/eval-$name.log 2>&1 &
+            --json $OUT/eval-$name.json > /tmp/log/eval-$name.log 2>&1 &
     done
     wait
-    python3 - <<'EOF' > $OUT/real_gpu.json
-import json, glob, os
-res = {}
-for f in sorted(glob.glob("/tmp/r/eval-*.json")):
-    res[os.path.basename(f)[5:-5]] = json.load(open(f))
-for f in sorted(glob.glob("/tmp/r/*/metrics.jsonl")):
-    res.setdefault("metrics", {})[f.split("/")[3]] = [json.loads(l) for l in open(f)]
-print(json.dumps(res))
-EOF
     tail -n 8 /tmp/log/eval-*.log
+    ;;
+all)  # data, then eval, in one call of at most ALL_S (570) s, a short lease: smaller sizes, hard limits
+    start=$(date +%s)
+    ROWS=3000 STEPS=600 PROMPTS=12 BENCH_S=130 REGEN_S=120 DECODERS=generate:256:256,static:512:2048 \
+        bash "$0" data
+    left=$((${ALL_S:-570} - ($(date +%s) - start)))
+    stamp "eval with ${left}s left"
+    PROMPTS=12 timeout $((left > 30 ? left - 10 : 20)) bash "$0" eval
     ;;
 *)
     echo "usage: bash bench/real_gpu.sh prep|data|eval"; exit 2 ;;

@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import sys
 import zlib
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import google_crc32c
 import numpy as np
@@ -19,12 +21,49 @@ import zarr.registry
 from zarr.codecs import BloscCodec, BloscShuffle, Crc32cCodec, ZstdCodec
 from zarr.codecs.numcodecs import LZ4, Shuffle
 
-CODECS = ("blosc-zstd1", "blosc-zstd3", "shuffle-zstd3", "zstd1", "blosc-lz41", "lz4", "none")
+from shared.planes import NAME as PLANES_NAME
+from shared.planes import BF16PlanesCodec
 
-# Compression of hidden states seen so far (BENCHMARKS.md: 1.27-1.39x for bf16, 1.22x for fp8
-# bytes), the low end: extraction's free-space check refuses only a store clearly too big.
-EXPECTED_RATIO = {"none": 1.0, "lz4": 1.1, "blosc-lz41": 1.1, "zstd1": 1.2, "shuffle-zstd3": 1.2,
-                  "blosc-zstd1": 1.2, "blosc-zstd3": 1.2}
+
+@dataclass(frozen=True)
+class Codec:
+    """A codec of the hidden states: its zarr chain (before the crc32c) for an item size, and the
+    ratio raw/stored measured on real features (BENCHMARKS.md, "The store's codec": SmolLM2-135M
+    layers [1, 8, 14, 20, 27]) for bf16 and for fp8 (scales included), rounded down, which
+    extraction's size estimate and free-space check use. Everything about a codec is here: the shard encoder runs any chain whose steps it
+    knows (`_bytes_step`), and tests/test_store.py checks every codec through it against zarr."""
+    name: str
+    chain: Callable[[int], tuple]
+    ratio: tuple[float, float]
+    note: str
+
+
+def _blosc(cname: str, level: int):
+    return lambda itemsize: (BloscCodec(cname=cname, clevel=level, shuffle=BloscShuffle.shuffle, typesize=itemsize),)
+
+
+# ratios: bf16 hidden states, fp8 bytes (bench/codec_bench.py on the real store, BENCHMARKS.md)
+TABLE = {c.name: c for c in (
+    Codec("zstd1", lambda itemsize: (ZstdCodec(level=1),), (1.23, 1.17), "the default: zstd level 1"),
+    Codec("bf16-planes", lambda itemsize: (BF16PlanesCodec(level=1, split="exponent"),) if itemsize == 2 else
+          (ZstdCodec(level=1),), (1.40, 1.17),
+          "exponent plane zstd1, sign+mantissa plane raw (shared/planes.py); fp8 stores: zstd1"),
+    # zarr's numcodecs Shuffle is a bytes-to-bytes codec: a compressor step, not a filter
+    Codec("shuffle-zstd3", lambda itemsize: (Shuffle(elementsize=itemsize), ZstdCodec(level=3)), (1.33, 1.17),
+          "byte shuffle, zstd level 3"),
+    Codec("blosc-zstd1", _blosc("zstd", 1), (1.23, 1.17), "blosc: SIMD byte shuffle, zstd level 1"),
+    Codec("blosc-zstd3", _blosc("zstd", 3), (1.29, 1.17), "blosc: SIMD byte shuffle, zstd level 3"),
+    Codec("blosc-lz41", _blosc("lz4", 1), (1.07, 1.0), "blosc: SIMD byte shuffle, lz4"),
+    Codec("lz4", lambda itemsize: (LZ4(),), (1.0, 1.0), "lz4"),
+    Codec("none", lambda itemsize: (), (1.0, 1.0), "stored raw"),
+)}
+CODECS = tuple(TABLE)
+
+
+def expected_ratio(codec: str, precision: str) -> float:
+    return TABLE[codec].ratio[0 if precision == "bf16" else 1]
+
+
 SMALL_ARRAYS_RATIO = 2.0  # token ids, loss mask, top-k and lse arrays (zstd1)
 
 
@@ -44,31 +83,16 @@ class ThreadedCrc32cCodec(Crc32cCodec):
 _CRC_KEY = f"{ThreadedCrc32cCodec.__module__}.{ThreadedCrc32cCodec.__qualname__}"
 zarr.registry.register_codec("crc32c", ThreadedCrc32cCodec)
 zarr.config.set({"codecs.crc32c": _CRC_KEY})  # the implementation zarr picks for "crc32c" chunks
+# also found through the package's entry point (group zarr.codecs) by a zarr that never imports us
+zarr.registry.register_codec(PLANES_NAME, BF16PlanesCodec)
 
 
 def codec_chain(name: str, itemsize: int):
     """(filters, compressors) for a codec name, with a crc32c of each compressed chunk last, so
-    that flipped or truncated bytes are an error when read, never values that decode to garbage.
-    Byte shuffle groups the exponent bytes of bf16 values together, which is where the redundancy
-    is (docs/DESIGN.md, "Measured toolchain facts")."""
-    filters, compressors = _compression(name, itemsize)
-    return filters, (*compressors, ThreadedCrc32cCodec())
-
-
-def _compression(name: str, itemsize: int):
-    if name == "none":
-        return (), ()
-    if name == "zstd1":
-        return (), (ZstdCodec(level=1),)
-    if name == "shuffle-zstd3":
-        # zarr's numcodecs Shuffle is a bytes-to-bytes codec: a compressor step, not a filter
-        return (), (Shuffle(elementsize=itemsize), ZstdCodec(level=3))
-    if name.startswith("blosc-"):  # blosc-zstd1, blosc-zstd3, blosc-lz4: SIMD shuffle inside blosc
-        cname, level = name[len("blosc-"):-1], int(name[-1])
-        return (), (BloscCodec(cname=cname, clevel=level, shuffle=BloscShuffle.shuffle, typesize=itemsize),)
-    if name == "lz4":
-        return (), (LZ4(),)
-    raise ValueError(f"unknown codec {name!r}; choose one of {CODECS}")
+    that flipped or truncated bytes are an error when read, never values that decode to garbage."""
+    if name not in TABLE:
+        raise ValueError(f"unknown codec {name!r}; choose one of {CODECS}")
+    return (), (*TABLE[name].chain(itemsize), ThreadedCrc32cCodec())
 
 
 def crc(a: np.ndarray) -> int:
@@ -84,18 +108,31 @@ def _crc32c_appended(b) -> bytes:
     return b"".join((b, google_crc32c.value(b).to_bytes(4, "little")))
 
 
+def numcodec(codec):
+    """The numcodecs object that a zarr bytes-to-bytes codec of TABLE encodes with (the same
+    object zarr builds from the codec's configuration), or None for one not known here."""
+    if isinstance(codec, ZstdCodec):
+        return codec._zstd_codec
+    if isinstance(codec, BloscCodec):
+        return codec._blosc_codec
+    if isinstance(codec, (LZ4, Shuffle)):  # numcodecs' own codec objects, under zarr's wrappers
+        return codec._codec
+    if isinstance(codec, BF16PlanesCodec):
+        return codec.codec
+    return None
+
+
+def numcodecs_chain(name: str, itemsize: int) -> list:
+    """A codec's chain as numcodecs objects (benchmarks run them one chunk at a time)."""
+    return [numcodec(c) for c in TABLE[name].chain(itemsize)]
+
+
 def _bytes_step(codec):
-    """A bytes-to-bytes codec of zarr as the function its encode runs (the same numcodecs object
-    zarr builds from the codec's configuration), or None for one not known here."""
+    """A bytes-to-bytes codec of zarr as the function its encode runs, or None."""
     if isinstance(codec, Crc32cCodec):
         return _crc32c_appended
-    if isinstance(codec, ZstdCodec):
-        return codec._zstd_codec.encode
-    if isinstance(codec, BloscCodec):
-        return codec._blosc_codec.encode
-    if isinstance(codec, (LZ4, Shuffle)):  # numcodecs' own codec objects, under zarr's wrappers
-        return codec._codec.encode
-    return None
+    c = numcodec(codec)
+    return None if c is None else c.encode
 
 
 class ShardEncoder:

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field, fields
 import numpy as np
 import torch
 
-from shared.compression import EXPECTED_RATIO, SMALL_ARRAYS_RATIO
+from shared.compression import SMALL_ARRAYS_RATIO, expected_ratio
 
 # 2: every chunk carries a crc32c of its compressed bytes, checked by zarr on every read.
 FORMAT_VERSION = 2
@@ -74,9 +74,9 @@ class Layout:
 
     def estimated_disk_bytes_per_token(self) -> float:
         """Bytes on disk per token, by the codec's expected ratio on the hidden states (and their
-        fp8 scales) and zstd's on the rest: the low end of what was measured."""
+        fp8 scales) on real features and zstd's on the rest."""
         hidden = self.bytes_per_token(HIDDEN_ARRAYS)
-        return hidden / EXPECTED_RATIO[self.codec] + (self.bytes_per_token() - hidden) / SMALL_ARRAYS_RATIO
+        return hidden / expected_ratio(self.codec, self.precision) + (self.bytes_per_token() - hidden) / SMALL_ARRAYS_RATIO
 
 
 def array_dtypes(precision: str) -> dict[str, str]:
