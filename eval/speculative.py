@@ -311,6 +311,11 @@ def evaluate_drafter(cfg: SpecConfig) -> dict:
     from shared.target import end_of_turn, load_target, load_tokenizer
     if not cfg.data and not cfg.prompt_set:
         raise ValueError("give --data and/or --prompt-set (mt-bench, humaneval, or a DATA file)")
+    for name in ("max_new", "max_prompt"):  # 0 new tokens would report a speedup of nothing
+        if getattr(cfg, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, not {getattr(cfg, name)}")
+    if cfg.prompts < 0:
+        raise ValueError(f"--prompts must be 0 (all) or more, not {cfg.prompts}")
     dev, dt = resolve_device(cfg.device, cfg.dtype)
     model = load_target(cfg.target, dev, dt)
     tok = load_tokenizer(cfg.target)

@@ -65,6 +65,21 @@ class ExtractConfig:
     progress: bool = opt(True, "tqdm progress bars")
 
     def validate(self):
+        for name in ("cpu_workers", "draft_layers", "max_len", "topk", "batch_tokens", "max_batch", "shard_tokens",
+                     "chunk_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, not {getattr(self, name)}")
+        for name in ("max_rows", "writers", "buckets_per_octave"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be 0 or more, not {getattr(self, name)}")
+        if self.max_len < 2:
+            raise ValueError(f"--max-len {self.max_len}: a sample needs a context token and a token to predict")
+        if self.layer_ids is not None:
+            twice = sorted({i for i in self.layer_ids if self.layer_ids.count(i) > 1})
+            if twice:
+                raise ValueError(f"--layers names layer {', '.join(map(str, twice))} more than once")
+            if not self.layer_ids:
+                raise ValueError("--layers is empty: name at least one layer id")
         if self.too_long not in ("truncate", "skip"):
             raise ValueError(f"--too-long must be 'truncate' or 'skip', not {self.too_long!r}")
         if self.inexact_turns not in ("split", "context"):
@@ -83,8 +98,6 @@ class ExtractConfig:
             raise ValueError(f"--writer-procs must be auto, on or off, not {self.writer_procs!r}")
         if self.lease_seconds < 3:
             raise ValueError("--lease-seconds must be at least 3")
-        if self.topk < 1:
-            raise ValueError("--topk must be at least 1")
         if self.batch_tokens < self.max_len:
             raise ValueError(f"--batch-tokens {self.batch_tokens} must be at least --max-len {self.max_len}")
         return self

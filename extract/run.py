@@ -189,6 +189,8 @@ def run(cfg: ExtractConfig) -> dict:
     bad = [i for i in layer_ids if not 0 <= i < L]
     if bad:
         raise ExtractError(f"--layers {bad} out of range: the target has {L} decoder layers (ids 0..{L - 1})")
+    if cfg.topk > tcfg["vocab_size"]:
+        raise ExtractError(f"--topk {cfg.topk} exceeds the target's vocabulary ({tcfg['vocab_size']:,} tokens)")
     sources = describe(resolve(cfg.data))
     manifest = make_manifest(cfg, tcfg, tokenizer, layer_ids, sources)
     env = launcher_env()
@@ -196,6 +198,9 @@ def run(cfg: ExtractConfig) -> dict:
         if env is not None and env[1] > 1:
             raise ExtractError("--overwrite with several processes would let one delete what others write: "
                                "delete the store first (or run once with one process)")
+        if st.store_state(loc)[0] == "foreign":  # a folder of something else: never deleted
+            raise ExtractError(f"STORE {loc} exists and is not a feature store: --overwrite deletes only a "
+                               f"store; choose another STORE or empty this one yourself")
         loc.delete_all()
     state, _ = st.store_state(loc)
     if state == "foreign":

@@ -255,3 +255,82 @@ def test_verify_agrees_with_training_on_an_unfinalized_store(tiny, tmp_path, cap
     assert "verify: OK" not in out
     run(extract_cfg(tiny, store))  # the rerun finishes it
     assert inspect_main([str(store), "--verify"]) == 0
+
+
+# --- careless options (issue 28) -------------------------------------------------------------
+
+def test_overwrite_refuses_a_folder_that_is_not_a_store_and_deletes_nothing(tiny, tmp_path):
+    u = tmp_path / "U"
+    u.mkdir()
+    (u / "notes.txt").write_text("x")
+    with pytest.raises(ExtractError, match="not a feature store: --overwrite deletes only a store"):
+        run(extract_cfg(tiny, u, overwrite=True))
+    assert (u / "notes.txt").read_text() == "x"
+
+
+@pytest.mark.parametrize("opts, says", [
+    (dict(max_len=-5), "--max-len must be at least 1, not -5"),
+    (dict(max_len=1), "--max-len 1: a sample needs a context token"),
+    (dict(chunk_tokens=0), "--chunk-tokens must be at least 1"),
+    (dict(cpu_workers=0), "--cpu-workers must be at least 1"),
+    (dict(layer_ids=[1, 1, 2]), "--layers names layer 1 more than once"),
+    (dict(topk=5000), "--topk 5000 exceeds the target's vocabulary"),
+])
+def test_nonsense_extraction_options_are_refused_before_anything_is_written(tiny, tmp_path, opts, says):
+    store = tmp_path / "s"
+    with pytest.raises((ValueError, ExtractError), match=re_escape(says)):
+        run(extract_cfg(tiny, store, **opts))
+    assert not store.exists()
+
+
+@pytest.fixture(scope="module")
+def small_store(tiny, tmp_path_factory):
+    path = tmp_path_factory.mktemp("careless") / "store"
+    run(extract_cfg(tiny, path))
+    return path
+
+
+@pytest.mark.parametrize("opts, says", [
+    (dict(epochs=0), "--epochs must be at least 1, not 0"),
+    (dict(max_steps=-5), "--max-steps must be at least 1, not -5"),
+    (dict(max_steps=0), "--max-steps must be at least 1, not 0"),
+    (dict(seq_len=8), "--seq-len 8: a row must hold a context and a block"),
+    (dict(seq_len=0), "--seq-len 0: a row must hold"),
+    (dict(draft_layers=0), "--draft-layers must be at least 1, not 0"),
+    (dict(gamma=0.0), "--gamma must be positive, not 0.0"),
+])
+def test_nonsense_training_options_are_refused_before_training(small_store, draft, tmp_path, opts, says):
+    from train.config import ConfigError
+    from train.loop import train
+    from conftest import tcfg
+    with pytest.raises(ConfigError, match=re_escape(says)):
+        train(tcfg(small_store, draft, tmp_path / "run", **opts))
+    assert not (tmp_path / "run" / "export").exists()
+
+
+def test_resume_with_other_options_is_refused_with_every_difference(small_store, draft, tmp_path):
+    from train.config import ConfigError
+    from train.loop import train
+    from conftest import tcfg
+    out = tmp_path / "run"
+    train(tcfg(small_store, draft, out, max_steps=6, save_every=2, stop_after=4))
+    before = (out / "train_config.json").read_text()
+    with pytest.raises(ConfigError, match=r"--max-steps 6 -> 8; --lr 0.003 -> 0.01") as e:
+        train(tcfg(small_store, draft, out, max_steps=8, save_every=2, lr=1e-2, resume=True))
+    assert "--labels" not in str(e.value)
+    assert (out / "train_config.json").read_text() == before  # nothing recorded for a refused run
+    # what may change on a resume (where it stops, logging, loader processes) is accepted
+    res = train(tcfg(small_store, draft, out, max_steps=6, save_every=2, log_every=3, resume=True))
+    assert res["step"] == 6
+
+
+def test_eval_refuses_zero_new_tokens_before_loading_anything(tmp_path, capsys):
+    from eval.speculative import main as spec_main
+    assert spec_main(["--drafter", str(tmp_path), "--target", str(tmp_path), "--prompt-set", "mt-bench",
+                      "--max-new", "0"]) == 2
+    assert "--max-new must be at least 1, not 0" in capsys.readouterr().err
+
+
+def re_escape(s: str) -> str:
+    import re
+    return re.escape(s)

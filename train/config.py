@@ -235,10 +235,34 @@ class TrainConfig:
     progress: bool = opt(True, "tqdm progress bar")
 
     def validate(self):
-        if self.micro_batch < 1 or self.grad_accum < 1 or self.max_anchors < 1:
-            raise ConfigError("--micro-batch, --grad-accum and --max-anchors must be positive")
+        for name in ("micro_batch", "grad_accum", "max_anchors", "epochs", "draft_layers", "block_size",
+                     "log_every", "save_every", "loss_chunk"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, not {getattr(self, name)}")
+        for name in ("max_steps", "stop_after"):
+            if getattr(self, name) is not None and getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, not {getattr(self, name)} "
+                                  f"(leave it out for the default)")
+        for name in ("workers", "eval_every", "eval_samples", "weight_decay", "min_lr_ratio", "warmup_ratio"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be 0 or more, not {getattr(self, name)}")
+        for name in ("lr", "gamma", "grad_clip"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"--{name.replace('_', '-')} must be positive, not {getattr(self, name)}")
+        if self.seq_len < 2 * self.block_size:
+            raise ConfigError(f"--seq-len {self.seq_len}: a row must hold a context and a block of "
+                              f"{self.block_size} (at least {2 * self.block_size} tokens)")
         for name, allowed in (("labels", ("data", "argmax", "distill")), ("compile", ("auto", "blocks", "attention", "full", "none")),
                               ("attention", ("auto", "flex", "sdpa")), ("dtype", ("auto", "bf16", "fp32"))):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"--{name} must be one of {', '.join(allowed)}, not {getattr(self, name)!r}")
         return self
+
+    # options a resumed run may change: they decide neither the data order nor the updates
+    RESUMABLE = ("resume", "progress", "stop_after", "workers", "prefetch", "log_every", "save_every", "target")
+
+    def resume_differences(self, saved: dict) -> list[str]:
+        """The options that differ from the checkpoint's run (those it recorded)."""
+        now = asdict(self)
+        return [f"--{k.replace('_', '-')} {saved[k]!r} -> {now[k]!r}" for k in now
+                if k not in self.RESUMABLE and k in saved and saved[k] != now[k]]

@@ -147,6 +147,10 @@ def resume(run: Run):
         return
     if ck["drafter"] != asdict(run.dcfg):
         raise ConfigError(f"--resume: the checkpoint in {run.out} was made with another drafter config")
+    diffs = run.cfg.resume_differences(ck.get("train", {}))
+    if diffs:  # kept silently, the old values would train while train_config.json recorded the new
+        raise ConfigError(f"--resume: the run in {run.out} was started with other options: {'; '.join(diffs)}. "
+                          f"Resume with the same options, or use another --out")
     run.drafter.load_state_dict(ck["model"])
     run.opt.load_state_dict(ck["optim"])
     run.sched.load_state_dict(ck["sched"])
