@@ -10,6 +10,7 @@
 #                                  as their stores are written
 #   bash bench/real_gpu.sh eval    waits for the trainings, evaluates every drafter; results under $OUT
 #   bash bench/real_gpu.sh all     data and eval in one call (a short lease), smaller sizes
+#   bash bench/real_gpu.sh decode  the decoder benchmark and the regeneration alone
 # .gg/sharegpt-first.jsonl.gz: the first (human, gpt) pair of ShareGPT's first 6,000 records that
 # begin with one (`python -m shared.named_data sharegpt`, read by our reader).
 #   ROWS, STEPS, PROMPTS, MAX_NEW, REGEN_BATCH: the run's size.
@@ -49,6 +50,7 @@ data)
     timeout ${REGEN_S:-200} python3 -m regenerate --data $DATA --max-rows $ROWS --target $T --out /tmp/d/regen --gpus 0 \
         --batch-size $REGEN_BATCH --max-new-tokens 512 --max-prompt-len 2048 --no-progress 2>&1 | tail -4
     cp /tmp/d/regen/part-00000.jsonl $OUT/regen-part-00000.jsonl 2>/dev/null
+    [ -n "${DECODE_ONLY:-}" ] && exit 0
     for spec in "data3 $DATA data" "regen3 /tmp/d/regen argmax"; do
         set -- $spec
         stamp "extract $1 ($2)"
@@ -71,6 +73,10 @@ eval)
     done
     wait
     tail -n 8 /tmp/log/eval-*.log
+    ;;
+decode)  # the decoder benchmark and the regeneration only (a short lease)
+    ROWS=${ROWS:-2000} BENCH_S=${BENCH_S:-130} REGEN_S=${REGEN_S:-100} \
+        DECODERS=${DECODERS:-generate:256:256,static:512:2048} DECODE_ONLY=1 bash "$0" data
     ;;
 all)  # data, then eval, in one call of at most ALL_S (570) s, a short lease: smaller sizes, hard limits
     start=$(date +%s)
