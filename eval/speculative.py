@@ -304,6 +304,28 @@ def decode_all(target_model, drafter, prompts, max_new: int, eos: int | None, pr
     return out
 
 
+def check_drafter_target(drafter: str, target: str, allow: bool):
+    """A drafter is judged with the target it was trained for: its export records the fingerprint
+    of that target's embed_tokens/lm_head (a same-shaped other target runs, and measures nothing)."""
+    from shared.target import exported_target, load_embed_and_head, read_config, tensors_fingerprint
+    d = Path(drafter)
+    if not (d / "model.safetensors").is_file() or not (d / "config.json").is_file():
+        raise ValueError(f"DRAFTER {drafter}: no {'model.safetensors' if d.is_dir() else 'such folder'} (give an "
+                         f"export folder of `python -m train`: RUN/export or RUN/best)")
+    dc, tc = json.loads((d / "config.json").read_text()), read_config(target)
+    for key in ("hidden_size", "vocab_size"):
+        if dc.get(key) != tc[key]:
+            raise ValueError(f"DRAFTER {drafter} has {key} {dc.get(key)}, TARGET {target} {tc[key]}: the drafter "
+                             f"was made for another target")
+    want = exported_target(drafter)
+    if want is None or allow:
+        return
+    got = tensors_fingerprint(*load_embed_and_head(target))
+    if got != want:
+        raise ValueError(f"DRAFTER {drafter} was trained for another target: its embed/lm_head fingerprint {want} "
+                         f"differs from TARGET {target}'s {got}; --allow-other-target evaluates anyway")
+
+
 def evaluate_drafter(cfg: SpecConfig) -> dict:
     """Decode the prompts of cfg.data (its last cfg.prompts rows) and of each prompt set (their
     first cfg.prompts rows) greedily, with the drafter and with prompt lookup: tau, speedup,
@@ -316,6 +338,7 @@ def evaluate_drafter(cfg: SpecConfig) -> dict:
             raise ValueError(f"--{name.replace('_', '-')} must be at least 1, not {getattr(cfg, name)}")
     if cfg.prompts < 0:
         raise ValueError(f"--prompts must be 0 (all) or more, not {cfg.prompts}")
+    check_drafter_target(cfg.drafter, cfg.target, cfg.allow_other_target)
     dev, dt = resolve_device(cfg.device, cfg.dtype)
     model = load_target(cfg.target, dev, dt)
     tok = load_tokenizer(cfg.target)

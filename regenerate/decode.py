@@ -8,8 +8,8 @@ decoder over the static cache, LM head, argmax, writing the token and advancing 
 captured once per (batch, cache length, keys read) and replayed; the host looks at the tokens
 every `check_every` steps to stop when every row has ended its turn.
 
-Two things keep the step at the memory bound of the keys actually needed (measured on an H100,
-BENCHMARKS.md "Regeneration"): the step attends to the first `live` slots of the cache only
+Two things keep the step near the memory bound of the keys actually needed (by design: the rate
+is not measured on a GPU yet, BENCHMARKS.md "A real target"): the step attends to the first `live` slots of the cache only
 (`live` = the fed position rounded up to `bucket`, one captured graph per value), and a query's
 heads that share a key/value head attend as one group of queries (no copy of the keys per head,
 which transformers' SDPA path makes whenever a mask is given).
@@ -92,6 +92,7 @@ class StaticGreedy:
     @torch.no_grad()
     def run(self, ids: list[list[int]], max_new: int, eot: int, pad: int) -> list[tuple[list[int], bool]]:
         assert 0 < len(ids) <= self.B
+        eot = -1 if eot is None else eot  # a tokenizer without an end of turn: every row runs to max_new
         before = self.model.config._attn_implementation
         self.model.config._attn_implementation = ATTENTION  # set_attn_implementation looks names up on the hub
         try:

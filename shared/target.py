@@ -211,6 +211,17 @@ def tensors_fingerprint(embed: torch.Tensor, head: torch.Tensor) -> str:
     return "sha256:" + h.hexdigest()
 
 
+EXPORT_TARGET_KEY = "dflash.target_tensors"  # a drafter export's safetensors metadata: tensors_fingerprint
+
+
+def exported_target(drafter: str | Path) -> str | None:
+    """The target fingerprint a drafter export records (None: an export from before, or from
+    elsewhere): evaluation refuses another target with it."""
+    from safetensors import safe_open
+    with safe_open(str(Path(drafter) / "model.safetensors"), "pt") as f:
+        return (f.metadata() or {}).get(EXPORT_TARGET_KEY)
+
+
 def load_embed_and_head(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
     """(embed_tokens.weight, lm_head.weight) read straight from the safetensors files: the rest
     of the target is never loaded."""

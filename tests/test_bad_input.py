@@ -334,3 +334,34 @@ def test_eval_refuses_zero_new_tokens_before_loading_anything(tmp_path, capsys):
 def re_escape(s: str) -> str:
     import re
     return re.escape(s)
+
+
+def test_eval_refuses_a_drafter_trained_for_another_target(small_store, draft, tiny, tmp_path):
+    """The export records the store target's embed/lm_head fingerprint; a same-shaped other target
+    (a fine-tune, a retrain) is refused by name, --allow-other-target evaluates anyway."""
+    from safetensors.torch import load_file, save_file
+    from eval.speculative import check_drafter_target
+    from shared.target import exported_target
+    from train.loop import train
+    from conftest import tcfg
+    train(tcfg(small_store, draft, tmp_path / "run", max_steps=2))
+    export = tmp_path / "run" / "export"
+    assert exported_target(export) == st.Store(small_store).manifest.target.tensors_fingerprint
+    check_drafter_target(str(export), str(tiny["target"]), allow=False)  # its own target: accepted
+    other = tmp_path / "other"
+    shutil.copytree(tiny["target"], other)
+    for f in other.glob("*.safetensors"):
+        t = load_file(str(f))
+        t = {k: (v + 1e-3 if "embed_tokens" in k else v) for k, v in t.items()}
+        save_file(t, str(f), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="was trained for another target"):
+        check_drafter_target(str(export), str(other), allow=False)
+    check_drafter_target(str(export), str(other), allow=True)
+    with pytest.raises(ValueError, match="no such folder"):
+        check_drafter_target(str(tmp_path / "nowhere"), str(tiny["target"]), allow=False)
+    cfg = json.loads((export / "config.json").read_text())
+    wide = tmp_path / "wide"
+    shutil.copytree(export, wide)
+    (wide / "config.json").write_text(json.dumps({**cfg, "hidden_size": 2 * cfg["hidden_size"]}))
+    with pytest.raises(ValueError, match="has hidden_size 128, TARGET .* 64"):
+        check_drafter_target(str(wide), str(tiny["target"]), allow=False)

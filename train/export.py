@@ -22,6 +22,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import shared.dflash as shared_dflash
+from shared.target import EXPORT_TARGET_KEY
 from train.checkpoint import assert_finite
 from train.config import DrafterConfig
 from train.model import DFlashDrafter
@@ -29,7 +30,11 @@ from train.model import DFlashDrafter
 MODELING_FILE = Path(shared_dflash.__file__)  # imports only torch and transformers: shipped as is
 
 
-def export(model: DFlashDrafter, out: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+def export(model: DFlashDrafter, out: str | Path, dtype: torch.dtype = torch.bfloat16,
+           target_tensors: str | None = None) -> Path:
+    """target_tensors: the fingerprint of the store target's embed_tokens/lm_head
+    (shared.target.tensors_fingerprint), kept in the weights' metadata so that evaluation refuses
+    a target the drafter was not trained for."""
     out = Path(out)
     state = {k: v.detach().to("cpu", dtype).contiguous() for k, v in model.state_dict().items()}
     assert_finite(state, f"export {out}")  # also after the cast: bf16 overflows to inf
@@ -38,7 +43,8 @@ def export(model: DFlashDrafter, out: str | Path, dtype: torch.dtype = torch.bfl
     tmp.mkdir(parents=True)
     (tmp / "config.json").write_text(json.dumps(model.cfg.to_hf(), indent=2))
     shutil.copyfile(MODELING_FILE, tmp / "dflash.py")
-    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    meta = {"format": "pt", **({EXPORT_TARGET_KEY: target_tensors} if target_tensors else {})}
+    save_file(state, str(tmp / "model.safetensors"), metadata=meta)
     shutil.rmtree(out, ignore_errors=True)
     os.replace(tmp, out)
     return out

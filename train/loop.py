@@ -76,7 +76,7 @@ def loop(run: Run):
                     if run.best is None or rec["eval_tau"] > run.best["eval_tau"]:
                         run.best = {"step": run.step, "eval_tau": rec["eval_tau"]}
                         if run.rank == 0:
-                            export(run.drafter, run.out / "best")
+                            export(run.drafter, run.out / "best", target_tensors=run.target_tensors)
                 metrics.write(rec)
             if run.step % cfg.save_every == 0 or last:
                 run.save()
@@ -88,7 +88,7 @@ def loop(run: Run):
     if run.graphs:
         log(f"compiled graphs: {run.graphs} in the first step, {run.recompiles} recompiled after it")
     if run.rank == 0:
-        export(run.drafter, run.out / "export")
+        export(run.drafter, run.out / "export", target_tensors=run.target_tensors)
     dist.barrier()
 
 

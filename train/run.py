@@ -59,6 +59,11 @@ class Run:
         return Path(self.cfg.out)
 
     @property
+    def target_tensors(self) -> str:
+        """The store target's embed/lm_head fingerprint, recorded in every export."""
+        return self.store.manifest.target.tensors_fingerprint
+
+    @property
     def rows_per_step(self) -> int:
         return self.cfg.micro_batch * self.cfg.grad_accum
 
