@@ -9,10 +9,11 @@ captured once per (batch, cache length, keys read) and replayed; the host looks 
 every `check_every` steps to stop when every row has ended its turn.
 
 Two things keep the step near the memory bound of the keys actually needed (by design: the rate
-is not measured on a GPU yet, BENCHMARKS.md "A real target"): the step attends to the first `live` slots of the cache only
-(`live` = the fed position rounded up to `bucket`, one captured graph per value), and a query's
-heads that share a key/value head attend as one group of queries (no copy of the keys per head,
-which transformers' SDPA path makes whenever a mask is given).
+is not measured on a GPU yet, BENCHMARKS.md "A real target"): the step attends to the first
+`live` slots of the cache only (`live` = the fed position rounded up to `bucket`, one captured
+graph per value), and a query's heads that share a key/value head attend as one group of
+queries (no copy of the keys per head, which transformers' SDPA path makes whenever a mask is
+given).
 
 Same tokens as `generate` greedy (tests/test_regenerate_decode.py): the prompts are left-padded
 into one cache, each row's positions count from its first real token, and the mask lets a query

@@ -30,12 +30,12 @@ class Codec:
     """A codec of the hidden states: its zarr chain (before the crc32c) for an item size, and the
     ratio raw/stored measured on real features (BENCHMARKS.md, "The store's codec": SmolLM2-135M
     layers [1, 8, 14, 20, 27]) for bf16 and for fp8 (scales included), rounded down, which
-    extraction's size estimate and free-space check use. Everything about a codec is here: the shard encoder runs any chain whose steps it
-    knows (`_bytes_step`), and tests/test_store.py checks every codec through it against zarr."""
+    extraction's size estimate and free-space check use. Everything about a codec is here: the
+    shard encoder runs any chain whose steps it knows (`_bytes_step`), and tests/test_store.py
+    checks every codec through it against zarr."""
     name: str
     chain: Callable[[int], tuple]
     ratio: tuple[float, float]
-    note: str
 
 
 def _blosc(cname: str, level: int):
@@ -44,18 +44,18 @@ def _blosc(cname: str, level: int):
 
 # ratios: bf16 hidden states, fp8 bytes (bench/codec_bench.py on the real store, BENCHMARKS.md)
 TABLE = {c.name: c for c in (
-    Codec("zstd1", lambda itemsize: (ZstdCodec(level=1),), (1.23, 1.17), "the default: zstd level 1"),
+    Codec("zstd1", lambda itemsize: (ZstdCodec(level=1),), (1.23, 1.17)),  # the default
+    # the exponent plane zstd1, the sign+mantissa plane raw (shared/planes.py); fp8 stores: zstd1
     Codec("bf16-planes", lambda itemsize: (BF16PlanesCodec(level=1, split="exponent"),) if itemsize == 2 else
-          (ZstdCodec(level=1),), (1.40, 1.17),
-          "exponent plane zstd1, sign+mantissa plane raw (shared/planes.py); fp8 stores: zstd1"),
+          (ZstdCodec(level=1),), (1.40, 1.17)),
     # zarr's numcodecs Shuffle is a bytes-to-bytes codec: a compressor step, not a filter
-    Codec("shuffle-zstd3", lambda itemsize: (Shuffle(elementsize=itemsize), ZstdCodec(level=3)), (1.33, 1.17),
-          "byte shuffle, zstd level 3"),
-    Codec("blosc-zstd1", _blosc("zstd", 1), (1.23, 1.17), "blosc: SIMD byte shuffle, zstd level 1"),
-    Codec("blosc-zstd3", _blosc("zstd", 3), (1.29, 1.17), "blosc: SIMD byte shuffle, zstd level 3"),
-    Codec("blosc-lz41", _blosc("lz4", 1), (1.07, 1.0), "blosc: SIMD byte shuffle, lz4"),
-    Codec("lz4", lambda itemsize: (LZ4(),), (1.0, 1.0), "lz4"),
-    Codec("none", lambda itemsize: (), (1.0, 1.0), "stored raw"),
+    Codec("shuffle-zstd3", lambda itemsize: (Shuffle(elementsize=itemsize), ZstdCodec(level=3)), (1.33, 1.17)),
+    # blosc: its SIMD byte shuffle inside
+    Codec("blosc-zstd1", _blosc("zstd", 1), (1.23, 1.17)),
+    Codec("blosc-zstd3", _blosc("zstd", 3), (1.29, 1.17)),
+    Codec("blosc-lz41", _blosc("lz4", 1), (1.07, 1.0)),
+    Codec("lz4", lambda itemsize: (LZ4(),), (1.0, 1.0)),
+    Codec("none", lambda itemsize: (), (1.0, 1.0)),
 )}
 CODECS = tuple(TABLE)
 

@@ -26,6 +26,7 @@ from functools import cached_property
 import numcodecs
 import numpy as np
 from numcodecs.abc import Codec
+from numcodecs.compat import ensure_contiguous_ndarray
 from numcodecs.zstd import Zstd
 from zarr.abc.codec import BytesBytesCodec
 from zarr.core.buffer.cpu import as_numpy_array_wrapper
@@ -34,6 +35,11 @@ from zarr.core.common import parse_named_configuration
 NAME = "dflash.bf16_planes"
 SPLITS = ("byte", "exponent")
 _HEAD = struct.Struct("<2sBBQI")  # magic, version, split, values, plane A's compressed length
+
+
+def _bytes(buf) -> np.ndarray:
+    """Any buffer (bytes, memoryview, array) as a flat uint8 array, without a copy where possible."""
+    return ensure_contiguous_ndarray(buf).reshape(-1).view(np.uint8)
 
 
 class BF16Planes(Codec):
@@ -46,8 +52,7 @@ class BF16Planes(Codec):
         self._zstd = Zstd(level=self.level)
 
     def encode(self, buf) -> bytes:
-        b = np.frombuffer(memoryview(buf).cast("B"), dtype=np.uint8) if not isinstance(buf, np.ndarray) else \
-            np.ascontiguousarray(buf).reshape(-1).view(np.uint8)
+        b = _bytes(buf)
         if b.size % 2:
             raise ValueError(f"{NAME}: {b.size} bytes is not a whole number of 16-bit values")
         if self.split == "byte":
@@ -62,7 +67,7 @@ class BF16Planes(Codec):
         return b"".join((head, packed, rest.tobytes()))
 
     def decode(self, buf, out=None):
-        mv = memoryview(buf).cast("B") if not isinstance(buf, np.ndarray) else memoryview(np.ascontiguousarray(buf).view(np.uint8).reshape(-1))
+        mv = memoryview(_bytes(buf))
         if len(mv) < _HEAD.size:
             raise ValueError(f"{NAME}: {len(mv)} bytes, shorter than its header")
         magic, version, split, n, m = _HEAD.unpack_from(mv)
