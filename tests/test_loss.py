@@ -7,7 +7,10 @@ import math
 import torch
 import torch.nn.functional as F
 
-from train.loss import acceptance_length, chunked_loss, metrics_from_stats, slot_stats, slot_targets
+import pytest
+
+from train.loss import (acceptance_length, chunked_loss, fused_loss, metrics_from_stats, slot_stats,
+                        slot_targets)
 
 
 def batch(B=2, S=24, A=5, K=3, V=11, seed=0):
@@ -61,7 +64,8 @@ def naive(b, logits, block, gamma, labels):
     return total, wsum, live, hit, hit_label
 
 
-def test_loss_and_stats_match_naive_loop():
+@pytest.mark.parametrize("loss_fn", [chunked_loss, fused_loss])
+def test_loss_and_stats_match_naive_loop(loss_fn):
     block, gamma, H, V = 4, 7.0, 6, 11
     b = batch(V=V)
     B, A = b["anchors"].shape
@@ -71,7 +75,7 @@ def test_loss_and_stats_match_naive_loop():
     logits = hidden @ head.T
     for labels in ("data", "argmax", "distill"):
         tg = slot_targets(b, block, gamma, labels)
-        total, pred = chunked_loss(hidden, head, tg, chunk=7)  # chunk not dividing the rows
+        total, pred = loss_fn(hidden, head, tg, chunk=7)  # chunk not dividing the rows
         want_total, want_w, live, hit, hit_label = naive(b, logits, block, gamma, labels)
         assert abs(float(total) - want_total) < 1e-4 * max(1.0, want_total), labels
         assert abs(float(tg["weight"].sum()) - want_w) < 1e-5
@@ -92,6 +96,41 @@ def test_chunked_loss_gradient_equals_unchunked():
     chunked_loss(h1, head, tg, chunk=3)[0].backward()
     chunked_loss(h2, head, tg, chunk=10_000)[0].backward()
     torch.testing.assert_close(h1.grad, h2.grad)
+
+
+@pytest.mark.parametrize("labels", ["data", "argmax", "distill"])
+def test_fused_loss_gradient_equals_checkpointed(labels):
+    """The fused LM head + loss (gradient taken in the forward) against the checkpointed reference:
+    the same sum, argmax and gradient w.r.t. the drafter's output, in fp32 and under bf16 autocast,
+    for chunks that do and do not divide the rows; the backward scales by the incoming gradient."""
+    block, V, H = 4, 11, 6
+    b = batch(V=V)
+    tg = slot_targets(b, block, 7.0, labels)
+    torch.manual_seed(1)
+    head = torch.randn(V, H)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        x = torch.randn(2, 5 * block, H)
+        grads, outs = [], []
+        for fn, chunk in ((chunked_loss, 10_000), (fused_loss, 3), (fused_loss, 10_000)):
+            h = x.clone().requires_grad_(True)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+                total, pred = fn(h, head.to(dtype), tg, chunk)
+            (total * 2.5).backward()
+            grads.append(h.grad)
+            outs.append((float(total.detach()), pred))
+        for (t, p), g in zip(outs[1:], grads[1:]):
+            assert abs(t - outs[0][0]) <= tol * max(1.0, abs(outs[0][0])), (labels, dtype)
+            assert torch.equal(p, outs[0][1]), (labels, dtype)
+            torch.testing.assert_close(g, grads[0], rtol=tol, atol=tol * float(grads[0].abs().max()))
+
+
+def test_fused_loss_without_grad_has_no_gradient_work():
+    b = batch(V=11)
+    tg = slot_targets(b, 4, 7.0, "data")
+    h = torch.randn(2, 20, 6)
+    with torch.no_grad():
+        total, pred = fused_loss(h, torch.randn(11, 6), tg, 7)
+    assert not total.requires_grad and pred.shape == tg["label"].shape
 
 
 def test_acceptance_length_hand_worked():

@@ -50,7 +50,8 @@ def _row_loss(h, head, label, soft_idx, soft_logp):
 
 def chunked_loss(hidden: torch.Tensor, head: torch.Tensor, tg: dict, chunk: int):
     """Sum of weight * CE over all slots, and the drafter's argmax per slot. The LM head runs in
-    row chunks under activation checkpointing: full (rows, vocab) logits never exist at once."""
+    row chunks under activation checkpointing: full (rows, vocab) logits never exist at once. The
+    plain reference for `fused_loss` (tests, and the benchmark's before)."""
     N = hidden.shape[0] * hidden.shape[1]
     h = hidden.reshape(N, -1)
     label = tg["label"].reshape(N)
@@ -70,6 +71,91 @@ def chunked_loss(hidden: torch.Tensor, head: torch.Tensor, tg: dict, chunk: int)
         total = total + (ce * w[sl]).sum()
         preds.append(pred)
     return total, torch.cat(preds).reshape(tg["label"].shape)
+
+
+def _hard_terms(z, label, w):
+    """One chunk of bf16 (or fp32) logits with hard labels: sum of w * CE, the argmax, and
+    d(sum)/dz = w * (softmax - onehot) in z's dtype, from z read twice (one fused kernel each
+    when compiled)."""
+    zf = z.float()
+    lse = torch.logsumexp(zf, -1, keepdim=True)
+    ce = lse.squeeze(-1) - zf.gather(-1, label[:, None]).squeeze(-1)
+    onehot = torch.arange(z.shape[-1], device=z.device) == label[:, None]
+    gz = ((zf - lse).exp() - onehot.float()) * w[:, None]
+    return (ce * w).sum(), zf.argmax(-1), gz.to(z.dtype)
+
+
+_hard_terms_compiled = None
+
+
+def _hard_terms_for(z):
+    """The compiled chunk on a GPU (elementwise passes over the logits fused), eager elsewhere."""
+    global _hard_terms_compiled
+    if z.device.type != "cuda":
+        return _hard_terms
+    if _hard_terms_compiled is None:
+        _hard_terms_compiled = torch.compile(_hard_terms, dynamic=False)
+    return _hard_terms_compiled
+
+
+def _soft_terms(z, w, soft_idx, soft_logp):
+    """One chunk with distillation targets: the same sum, argmax and d(sum)/dz, the gradient taken
+    by autograd through the reference formula (_row_loss's) on this chunk alone."""
+    with torch.enable_grad():
+        zf = z.float().requires_grad_(True)
+        logq = zf.log_softmax(-1)
+        q_top = logq.gather(-1, soft_idx)
+        p_top = soft_logp.exp()
+        p_tail = (1 - p_top.sum(-1)).clamp(min=0)
+        q_tail = torch.log1p(-q_top.exp().sum(-1).clamp(max=1 - 1e-6))
+        total = ((-(p_top * q_top).sum(-1) - p_tail * q_tail) * w).sum()
+        (gz,) = torch.autograd.grad(total, zf)
+    return total.detach(), zf.detach().argmax(-1), gz.to(z.dtype)
+
+
+class _FusedLinearCE(torch.autograd.Function):
+    """Sum of w * CE(h @ head.T) with the gradient w.r.t. h computed chunk by chunk in the forward:
+    the head is frozen, so d/dh = d/dz @ head is all the backward needs. Each chunk's logits live
+    only while it is processed, and the LM-head matmul is not run a second time in the backward
+    (as checkpointing does)."""
+
+    @staticmethod
+    def forward(ctx, h, head, label, w, soft_idx, soft_logp, chunk):
+        need = ctx.needs_input_grad[0]
+        N = h.shape[0]
+        grad = torch.empty_like(h) if need else None
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        pred = torch.empty(N, dtype=torch.long, device=h.device)
+        for lo in range(0, N, chunk):
+            sl = slice(lo, lo + chunk)
+            z = h[sl].to(head.dtype) @ head.T         # bf16 under autocast, as the reference's matmul
+            if soft_idx is None:
+                part, pred[sl], gz = _hard_terms_for(z)(z, label[sl], w[sl])
+            else:
+                part, pred[sl], gz = _soft_terms(z, w[sl], soft_idx[sl], soft_logp[sl])
+            del z
+            total += part
+            if need:
+                grad[sl] = (gz @ head).to(h.dtype)
+        ctx.grad = grad
+        ctx.mark_non_differentiable(pred)
+        return total, pred
+
+    @staticmethod
+    def backward(ctx, g_total, g_pred):
+        grad, ctx.grad = ctx.grad, None
+        return grad * g_total.to(grad.dtype), None, None, None, None, None, None
+
+
+def fused_loss(hidden: torch.Tensor, head: torch.Tensor, tg: dict, chunk: int):
+    """chunked_loss's result (sum of weight * CE, argmax per slot) with one LM-head matmul per
+    direction instead of three: see _FusedLinearCE. The head must be frozen."""
+    N = hidden.shape[0] * hidden.shape[1]
+    si, sp = tg.get("soft_idx"), tg.get("soft_logp")
+    total, pred = _FusedLinearCE.apply(
+        hidden.reshape(N, -1), head.detach(), tg["label"].reshape(N), tg["weight"].reshape(N).float(),
+        None if si is None else si.reshape(N, -1), None if sp is None else sp.reshape(N, -1), chunk)
+    return total, pred.reshape(tg["label"].shape)
 
 
 def slot_stats(pred: torch.Tensor, tg: dict, block: int) -> torch.Tensor:

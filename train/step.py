@@ -11,9 +11,10 @@ import torch.nn.functional as F
 
 from shared.schema import fp8_decode
 from train.attention import build_masks
-from train.loss import chunked_loss, slot_stats, slot_targets
+from train.loss import chunked_loss, fused_loss, slot_stats, slot_targets
 from train.config import DrafterConfig
 from train.model import unwrap
+from train.precision import MasterWeights
 
 
 def block_inputs(batch: dict, block: int, mask_token_id: int):
@@ -40,6 +41,7 @@ class StepConfig:
     gamma: float = 7.0
     loss_chunk: int = 4096
     grad_clip: float = 1.0
+    loss: str = "fused"                # "fused" (train.loss.fused_loss) or "checkpointed", its reference
 
     @property
     def block(self) -> int:
@@ -78,15 +80,19 @@ def forward_loss(model, embed: torch.Tensor, head: torch.Tensor, batch: dict, sc
     """Returns (sum of weight * CE, per-slot stats (3, block), targets)."""
     out = draft(model, embed, batch, sc)
     tg = targets if targets is not None else slot_targets(batch, sc.block, sc.gamma, sc.labels)
-    loss_sum, pred = chunked_loss(out, head, tg, sc.loss_chunk)
+    loss_fn = fused_loss if sc.loss == "fused" else chunked_loss
+    loss_sum, pred = loss_fn(out, head, tg, sc.loss_chunk)
     return loss_sum, slot_stats(pred, tg, sc.block), tg
 
 
-def train_step(model, opt, sched, embed, head, mbs: list[dict], sc: StepConfig, autocast) -> dict:
+def train_step(model, opt, sched, embed, head, mbs: list[dict], sc: StepConfig, autocast,
+               master: MasterWeights | None = None) -> dict:
     """One optimizer step over micro-batches `mbs` (gradient accumulation). The loss is normalised
     by the summed slot weights of the whole global batch: every micro-batch of every rank
     (docs/DESIGN.md, "The training step"). The optimizer step is skipped when the gradient is not
-    finite (`finite` False in the result); the caller decides whether to stop."""
+    finite (`finite` False in the result); the caller decides whether to stop. With `master`
+    (bf16 weights), the optimizer holds its float32 masters: each micro-batch's gradient is added
+    into them in float32 (so each is all-reduced on its own: no_sync would sum in bf16)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     tgs = [slot_targets(mb, sc.block, sc.gamma, sc.labels) for mb in mbs]
     W = torch.stack([t["weight"].sum() for t in tgs]).sum().double().reshape(1)
@@ -95,11 +101,13 @@ def train_step(model, opt, sched, embed, head, mbs: list[dict], sc: StepConfig, 
     loss_total = torch.zeros((), dtype=torch.float64, device=W.device)
     stats_total = torch.zeros(3, sc.block, device=W.device)
     tokens = torch.zeros((), dtype=torch.long, device=W.device)
-    no_sync = getattr(model, "no_sync", contextlib.nullcontext)
+    no_sync = getattr(model, "no_sync", contextlib.nullcontext) if master is None else contextlib.nullcontext
     for i, (mb, tg) in enumerate(zip(mbs, tgs)):
         with (contextlib.nullcontext() if i == len(mbs) - 1 else no_sync()), autocast:
             loss_sum, stats, _ = forward_loss(model, embed, head, mb, sc, targets=tg)
         (loss_sum * world / W.float().clamp(min=1e-9)).backward()  # DDP averages over ranks
+        if master is not None:
+            master.take_grads()
         loss_total += loss_sum.detach().double()
         stats_total += stats.detach().float()
         tokens += (mb["doc"] >= 0).sum()
@@ -110,6 +118,8 @@ def train_step(model, opt, sched, embed, head, mbs: list[dict], sc: StepConfig, 
     finite = bool(torch.isfinite(gnorm))
     if finite:
         opt.step()
+        if master is not None:
+            master.push()
     if sched is not None:
         sched.step()
     opt.zero_grad(set_to_none=True)
