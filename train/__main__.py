@@ -45,6 +45,10 @@ def main(argv=None) -> int:
             cfg = parse_args(argv).validate()
         except SystemExit as e:  # argparse has printed why
             return int(e.code or 0)
+        # Expandable segments: the step's changing tensor sizes (loss chunks, attention buffers)
+        # otherwise fragment the caching allocator in long runs. Set before CUDA starts, inherited
+        # by torchrun's ranks; a user's own setting wins.
+        os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
         if len(cfg.gpus) > 1 and "WORLD_SIZE" not in os.environ:
             # One process per GPU under torchrun. CUDA_VISIBLE_DEVICES renumbers the chosen GPUs
             # 0..n-1, so each process uses GPU LOCAL_RANK and the children get --gpus 0..n-1.

@@ -219,6 +219,9 @@ class TrainConfig:
         "GPU, none on the CPU (small drafters there gain less than the compile costs)")
     attention: Literal["auto", "flex", "sdpa"] = opt("auto", "flex (GPU) or SDPA with the dense mask (CPU)")
     dtype: Literal["auto", "bf16", "fp32"] = opt("auto", "autocast dtype: auto = bf16 on GPU, fp32 on CPU")
+    weights: Literal["auto", "bf16", "fp32"] = opt(
+        "auto", "parameters the step runs on: bf16 with float32 masters in the optimizer, or fp32 under "
+        "autocast; auto = bf16 when --dtype is bf16")
     seed: int = opt(0, "seed of the init, the shuffles and the anchors")
     workers: int = opt(4, "DataLoader processes per rank")
     prefetch: int = opt(4, "batches prefetched per loader worker")
@@ -253,7 +256,8 @@ class TrainConfig:
             raise ConfigError(f"--seq-len {self.seq_len}: a row must hold a context and a block of "
                               f"{self.block_size} (at least {2 * self.block_size} tokens)")
         for name, allowed in (("labels", ("data", "argmax", "distill")), ("compile", ("auto", "blocks", "attention", "full", "none")),
-                              ("attention", ("auto", "flex", "sdpa")), ("dtype", ("auto", "bf16", "fp32"))):
+                              ("attention", ("auto", "flex", "sdpa")), ("dtype", ("auto", "bf16", "fp32")),
+                              ("weights", ("auto", "bf16", "fp32"))):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"--{name} must be one of {', '.join(allowed)}, not {getattr(self, name)!r}")
         return self

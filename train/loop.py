@@ -58,7 +58,8 @@ def loop(run: Run):
             if run.online is not None:
                 mbs = [run.online(mb) for mb in mbs]  # baseline: features from the target, not the store
             graphs = compiled_graphs()
-            r = train_step(run.model, run.opt, run.sched, run.embed, run.head, mbs, run.step_cfg, run.autocast)
+            r = train_step(run.model, run.opt, run.sched, run.embed, run.head, mbs, run.step_cfg, run.autocast,
+                           run.master)
             if first_step:  # the first step compiles; any graph after it is a recompilation
                 first_step, run.graphs = False, compiled_graphs() - graphs
             else:

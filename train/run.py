@@ -21,6 +21,7 @@ from train.checkpoint import Checkpointer
 from train.config import ConfigError, DrafterConfig, TrainConfig
 from train.loader import EpochPlan, RowDataset, RowSpec, StepSchedule, make_loader, pack_rows
 from train.model import DFlashDrafter, attention_backend, compile_drafter, param_count, score_memory_bytes
+from train.precision import MasterWeights
 from train.setup import check_store, lr_lambda, resolve_config
 from train.step import StepConfig
 
@@ -35,7 +36,7 @@ class Run:
     dcfg: DrafterConfig
     embed: torch.Tensor
     head: torch.Tensor
-    drafter: DFlashDrafter             # the plain module: state_dict, export
+    drafter: DFlashDrafter             # the plain module: export
     model: torch.nn.Module             # what steps call: DDP over (compiled) drafter
     opt: torch.optim.Optimizer
     sched: torch.optim.lr_scheduler.LRScheduler
@@ -48,6 +49,7 @@ class Run:
     ckpt: Checkpointer
     eval_loader: object = None
     online: object = None              # the online baseline's target forward
+    master: MasterWeights | None = None  # float32 masters of bf16 weights (--weights bf16)
     step: int = 0
     history: list = field(default_factory=list)
     best: dict | None = None
@@ -75,7 +77,8 @@ class Run:
 
     def save(self):
         if self.rank == 0:
-            self.ckpt.save({"step": self.step, "model": self.drafter.state_dict(), "optim": self.opt.state_dict(),
+            model = self.master.state_dict() if self.master else self.drafter.state_dict()
+            self.ckpt.save({"step": self.step, "model": model, "optim": self.opt.state_dict(),
                             "sched": self.sched.state_dict(), "rng": torch.get_rng_state(), "history": self.history,
                             "best": self.best, "drafter": asdict(self.dcfg), "train": asdict(self.cfg)})
 
@@ -103,13 +106,17 @@ def build_run(cfg: TrainConfig, rank: int, world: int, device: torch.device) -> 
     backend = attention_backend(cfg.attention, mode, cuda)
     torch.manual_seed(cfg.seed)
     drafter = DFlashDrafter(dcfg, backend=backend).to(device)
+    if cfg.weights == "bf16" and dtype != torch.bfloat16:
+        raise ConfigError("--weights bf16 needs --dtype bf16 (or auto on a GPU)")
+    master = MasterWeights(drafter) if cfg.weights == "bf16" or (
+        cfg.weights == "auto" and dtype == torch.bfloat16) else None
     A, Bk = cfg.max_anchors, dcfg.block_size
     if backend == "flex" and mode == "none":
         gib = score_memory_bytes(dcfg, cfg.micro_batch, A * Bk, cfg.seq_len + A * Bk) / 2 ** 30
         log(f"warning: --compile none runs flex_attention unfused: about {gib:,.1f} GiB of score matrix "
             f"per layer (docs/DESIGN.md, 'Selective compilation')")
     model = DDP(compile_drafter(drafter, mode), device_ids=[device.index] if cuda else None)
-    params = [p for p in drafter.parameters() if p.requires_grad]
+    params = master.masters if master else [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay, fused=cuda)
 
     # data and schedule: the last eval_samples samples are held out
@@ -131,7 +138,7 @@ def build_run(cfg: TrainConfig, rank: int, world: int, device: torch.device) -> 
                           cfg.grad_clip)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if dtype == torch.bfloat16 else contextlib.nullcontext()
     run = Run(cfg, rank, world, device, store, dcfg, embed, head, drafter, model, opt, sched, plan, spec,
-              schedule, total, step_cfg, autocast, Checkpointer(cfg.out), eval_loader, online)
+              schedule, total, step_cfg, autocast, Checkpointer(cfg.out), eval_loader, online, master)
     resume(run)
     if rank == 0:
         run.out.mkdir(parents=True, exist_ok=True)
@@ -139,7 +146,7 @@ def build_run(cfg: TrainConfig, rank: int, world: int, device: torch.device) -> 
         (run.out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2))
     log(f"drafter: {param_count(drafter) / 1e6:,.2f}M params, {dcfg.num_hidden_layers} layers, block "
         f"{dcfg.block_size}, target layers {dcfg.target_layer_ids}; attention {backend}, compile "
-        f"{mode}; {world} rank(s) on {device.type}; {schedule.steps(0)} steps in epoch 0, {total} steps")
+        f"{mode}; weights {'bf16 (float32 masters)' if master else 'fp32'}; {world} rank(s) on {device.type}; {schedule.steps(0)} steps in epoch 0, {total} steps")
     return run
 
 
@@ -156,7 +163,7 @@ def resume(run: Run):
     if diffs:  # kept silently, the old values would train while train_config.json recorded the new
         raise ConfigError(f"--resume: the run in {run.out} was started with other options: {'; '.join(diffs)}. "
                           f"Resume with the same options, or use another --out")
-    run.drafter.load_state_dict(ck["model"])
+    (run.master or run.drafter).load_state_dict(ck["model"])
     run.opt.load_state_dict(ck["optim"])
     run.sched.load_state_dict(ck["sched"])
     torch.set_rng_state(ck["rng"])
