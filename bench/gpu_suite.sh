@@ -25,7 +25,7 @@ python bench/spec_bench.py --shape 27b --prompts 2 --max-new 48 --prompt-len 512
 fi
 if run 4; then
 echo "== 4. training step per compile mode (27B drafter, seq 8192, 512 anchors) =="
-python bench/train_bench.py --sections step --modes blocks,attention,full --steps 5 --json "$OUT/step.json"
+python bench/train_bench.py --sections step --steps 5 --json "$OUT/step.json"
 fi
 if run 5; then
 echo "== 5. extraction with per-chunk crc32c (27B shape, seq 8192, 16 seqs) =="
@@ -113,7 +113,7 @@ timeout 150 python bench/extract_bench.py --shape 27b --layers 16 --seq-len 2048
 tar czf "$OUT/fla-configs.tgz" -C ~/.triton/cache fla-configs   # the tunings this machine made, to ship
 timeout 80 python bench/host_bench.py --writers p4,p7 --zarr-shards p4,p7 --units 10 --dir /tmp/hbench \
     --json "$OUT/host_encoder.json"; pkill -f host_bench.py
-timeout 170 python bench/train_bench.py --sections step --modes blocks,full --steps 5 --json "$OUT/step.json"
+timeout 170 python bench/train_bench.py --sections step --steps 5 --json "$OUT/step.json"
 timeout 170 python bench/extract_bench.py --shape 27b --seq-len 8192 --seqs 40 --once --baseline-every 4 --prune \
     --json "$OUT/extract_27b_8192.json"; pkill -f extract_bench.py
 fi

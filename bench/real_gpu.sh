@@ -16,7 +16,7 @@
 #   ROWS, STEPS, PROMPTS, MAX_NEW, REGEN_BATCH: the run's size.
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 DFLASH_TARGET_CACHE=/tmp/targets HF_HUB_OFFLINE=1
-ROWS=${ROWS:-4000}; STEPS=${STEPS:-1000}; PROMPTS=${PROMPTS:-16}; MAX_NEW=${MAX_NEW:-192}
+ROWS=${ROWS:-4000}; STEPS=${STEPS:-1000}; PROMPTS=${PROMPTS:-20}; MAX_NEW=${MAX_NEW:-192}
 REGEN_BATCH=${REGEN_BATCH:-512}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/gg /tmp/s /tmp/r /tmp/d /tmp/log
 T=/tmp/gg/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -46,33 +46,47 @@ data)
     timeout ${BENCH_S:-200} python3 bench/regen_bench.py --target $T --data $DATA --max-new 512 --max-prompt-len 1024 \
         --decoders ${DECODERS:-generate:256:256,static:512:2048,static:1024:2048} --json $OUT/regen_bench.json 2>&1 \
         | grep -v -i "warn\|it/s"
-    stamp "regenerate $ROWS first turns (greedy, batch $REGEN_BATCH)"
+    # Six target layers: DFlash's defaults for 5 draft layers (1,8,14,20,27), 3 (1,14,27) and 1 (15).
+    ext() {  # name data [extract options...]
+        local name=$1 data=$2; shift 2
+        python3 -m extract --data $data --max-rows $ROWS --target $T --store /tmp/s/$name --gpus 0 --max-len 2048 \
+            --layers 1,8,14,15,20,27 --no-progress "$@" > /tmp/log/extract-$name.log 2>&1
+        stamp "extracted $name: rc $?"; tail -n 2 /tmp/log/extract-$name.log
+    }
+    stamp "regenerate $ROWS first turns (greedy, batch $REGEN_BATCH), beside the dataset answers' extraction"
+    ext data $DATA &
     timeout ${REGEN_S:-200} python3 -m regenerate --data $DATA --max-rows $ROWS --target $T --out /tmp/d/regen --gpus 0 \
         --batch-size $REGEN_BATCH --max-new-tokens 512 --max-prompt-len 2048 --no-progress 2>&1 | tail -4
     cp /tmp/d/regen/part-00000.jsonl $OUT/regen-part-00000.jsonl 2>/dev/null
+    wait
     [ -n "${DECODE_ONLY:-}" ] && exit 0
-    for spec in "data3 $DATA data" "regen3 /tmp/d/regen argmax"; do
-        set -- $spec
-        stamp "extract $1 ($2)"
-        python3 -m extract --data $2 --max-rows $ROWS --target $T --store /tmp/s/$1 --gpus 0 --max-len 2048 \
-            --draft-layers 3 --no-progress 2>&1 | tail -3
-        train_bg $1 /tmp/s/$1 --draft-layers 3 --labels $3
-    done
+    train_bg data-3 /tmp/s/data --draft-layers 3 --labels data
+    train_bg data-3-argmax /tmp/s/data --draft-layers 3 --labels argmax
+    ext regen /tmp/d/regen &
+    ext regen-fp8 /tmp/d/regen --precision fp8 &
+    wait
+    for n in 1 3 5; do train_bg regen-$n /tmp/s/regen --draft-layers $n --labels data; done
+    train_bg regen-3-fp8 /tmp/s/regen-fp8 --draft-layers 3 --labels data
     du -sh /tmp/s/*
     stamp "trainings started"
     ;;
 eval)
-    for name in data3 regen3; do
+    RUNS=${RUNS:-data-3 data-3-argmax regen-1 regen-3 regen-5 regen-3-fp8}
+    # the store codecs on the real features, on this host (issue 26), while the trainings finish
+    [ -d /tmp/s/regen ] && python3 bench/codec_bench.py /tmp/s/regen > $OUT/codec-h100.txt 2>&1 &
+    for name in $RUNS; do
         for _ in $(seq 60); do [ -f /tmp/r/$name.rc ] && break; sleep 5; done
         [ -f /tmp/r/$name.rc ] || { tail -n 5 /tmp/log/train-$name.log; continue; }
-        stamp "$name trained: rc $(cat /tmp/r/$name.rc)"; tail -3 /tmp/log/train-$name.log
+        stamp "$name trained: rc $(cat /tmp/r/$name.rc)"; tail -2 /tmp/log/train-$name.log
         cp /tmp/r/$name/metrics.jsonl $OUT/metrics-$name.jsonl
         python3 -m eval.speculative --drafter /tmp/r/$name/export --target $T --prompt-set mt-bench \
             --prompt-set humaneval --prompts $PROMPTS --max-new $MAX_NEW --no-progress \
             --json $OUT/eval-$name.json > /tmp/log/eval-$name.log 2>&1 &
     done
     wait
-    tail -n 8 /tmp/log/eval-*.log
+    tail -n 6 /tmp/log/eval-*.log
+    cat $OUT/codec-h100.txt 2>/dev/null
+    du -s --block-size=1 /tmp/s/* > $OUT/store-sizes.txt
     ;;
 decode)  # the decoder benchmark and the regeneration only (a short lease)
     ROWS=${ROWS:-2000} BENCH_S=${BENCH_S:-130} REGEN_S=${REGEN_S:-100} \

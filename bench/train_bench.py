@@ -7,9 +7,10 @@ online (target forward in the step), each measured in one run.
 Sections:
   check   flex_attention (compiled) against SDPA with the dense mask from the same mask
           definition: loss and every gradient, forward and backward, on the device.
-  step    step time, peak memory and compiled-graph counts for --compile blocks (the GPU
-          default) / attention / full / none at one shape, each against full; recompilations in
-          the timed steps (after warm-up) must be 0.
+  step    step time, peak memory and compiled-graph counts per --variants entry (compile mode,
+          loss, weights, loss chunk), each against the first; recompilations in the timed steps
+          (after warm-up) must be 0. --profile adds, per variant, the time and memory of each
+          phase of the step and the kernels by GPU time (torch.profiler).
   loader  the real loader (store -> packed rows, parallel decode, pinned prefetch): sustained
           rows/s and feature GB/s, against what one training step consumes.
   online  the same drafter step with the target forward in the loop (online training) against
@@ -25,17 +26,22 @@ import os
 import shutil
 import tempfile
 import time
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
-import torch
+
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # as python -m train sets it
+import torch  # noqa: E402
 
 from shapes import drafter_27b_config, random_target, target_27b_config  # noqa: E402
 
 from train.config import DrafterConfig
+from train.loss import chunked_loss, fused_loss, slot_targets
 from train.mask import sample_anchors
 from train.model import DFlashDrafter, attention_backend, compile_drafter, compiled_graphs, param_count
-from train.step import StepConfig, forward_loss, train_step
+from train.precision import MasterWeights
+from train.step import StepConfig, draft, forward_loss, train_step
 
 RESULTS: dict = {}
 
@@ -97,69 +103,170 @@ def check(device):
 
 # --- step -----------------------------------------------------------------------------------
 
-def make_model(dcfg, mode, device):
-    """The drafter as train/run.py builds it for `--compile mode`."""
+@dataclass(frozen=True)
+class Variant:
+    """One way of running the step: `mode:loss:weights:chunk[:full]`, e.g. blocks:fused:bf16:4096.
+    loss: fused | checkpointed (the step before issue 27); weights: bf16 (float32 masters) | fp32
+    (autocast over float32 weights, before issue 27); `full`: every layer full attention (the
+    peer's layout) instead of the drafter's sliding-window layers."""
+    mode: str
+    loss: str = "fused"
+    weights: str = "bf16"
+    chunk: int = 4096
+    full_attention: bool = False
+
+    @classmethod
+    def parse(cls, text: str) -> "Variant":
+        p = text.split(":")
+        return cls(p[0], *(p[1:3]), *(int(x) for x in p[3:4]), *(x == "full" for x in p[4:5]))
+
+    def __str__(self):
+        return f"{self.mode}:{self.loss}:{self.weights}:{self.chunk}" + (":full" if self.full_attention else "")
+
+
+def make_model(dcfg, v: Variant, device):
+    """The drafter as train/run.py builds it for this variant."""
     torch.manual_seed(0)
-    m = DFlashDrafter(dcfg, backend=attention_backend("auto", mode, device.type == "cuda")).to(device)
-    run = compile_drafter(m, mode)
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-4, betas=(0.9, 0.95), fused=device.type == "cuda")
-    return m, run, opt
+    if v.full_attention:
+        dcfg = replace(dcfg, layer_types=["full_attention"] * dcfg.num_hidden_layers)
+    m = DFlashDrafter(dcfg, backend=attention_backend("auto", v.mode, device.type == "cuda")).to(device)
+    master = MasterWeights(m) if v.weights == "bf16" else None
+    run = compile_drafter(m, v.mode)
+    opt = torch.optim.AdamW(master.masters if master else m.parameters(), lr=1e-4, betas=(0.9, 0.95),
+                            fused=device.type == "cuda")
+    return m, run, opt, master
 
 
-def time_steps(run, opt, embed, head, batch, steps, autocast, device, warmup=2):
+def time_steps(run, opt, master, sc, embed, head, batch, steps, autocast, device, warmup=2):
     for _ in range(warmup):
-        train_step(run, opt, None, embed, head, [batch], StepConfig.of(run), autocast)
+        train_step(run, opt, None, embed, head, [batch], sc, autocast, master)
     sync(device)
     graphs = compiled_graphs()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     t = time.perf_counter()
     for _ in range(steps):
-        r = train_step(run, opt, None, embed, head, [batch], StepConfig.of(run), autocast)
+        r = train_step(run, opt, None, embed, head, [batch], sc, autocast, master)
     sync(device)
     dt = (time.perf_counter() - t) / steps
     peak = torch.cuda.max_memory_allocated(device) / 2 ** 30 if device.type == "cuda" else float("nan")
-    return dt, peak, float(r["loss_sum"] / r["weight"]), graphs, compiled_graphs() - graphs
+    reserved = torch.cuda.max_memory_reserved(device) / 2 ** 30 if device.type == "cuda" else float("nan")
+    return dt, peak, reserved, float(r["loss_sum"] / r["weight"]), graphs, compiled_graphs() - graphs
 
 
-def step(device, dcfg, S, A, modes, steps):
+def phases(run, opt, master, sc, embed, head, batch, autocast, device, n=3):
+    """Where a step's time and memory go: the drafter's forward, the LM head + loss, the backward
+    and the optimizer, each timed between device syncs over n steps; memory as allocated after
+    each (GPU)."""
+    cuda = device.type == "cuda"
+    gib = lambda: torch.cuda.memory_allocated(device) / 2 ** 30 if cuda else float("nan")
+    peak = lambda: torch.cuda.max_memory_allocated(device) / 2 ** 30 if cuda else float("nan")
+    tot = [0.0] * 4
+    for _ in range(n):
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        mem = {"states": gib()}
+        tg = slot_targets(batch, sc.block, sc.gamma, sc.labels)
+        sync(device)
+        t = [time.perf_counter()]
+        with autocast:
+            out = draft(run, embed, batch, sc)
+            sync(device)
+            t.append(time.perf_counter())
+            mem["after forward"] = gib()
+            loss_sum, _ = (fused_loss if sc.loss == "fused" else chunked_loss)(out, head, tg, sc.loss_chunk)
+        sync(device)
+        t.append(time.perf_counter())
+        mem["after loss"], mem["peak in forward + loss"] = gib(), peak()
+        loss_sum.backward()
+        if master is not None:
+            master.take_grads()
+        sync(device)
+        t.append(time.perf_counter())
+        mem["peak in backward"] = peak()
+        torch.nn.utils.clip_grad_norm_([p for g in opt.param_groups for p in g["params"]], 1.0)
+        opt.step()
+        if master is not None:
+            master.push()
+        opt.zero_grad(set_to_none=True)
+        sync(device)
+        t.append(time.perf_counter())
+        for i in range(4):
+            tot[i] += (t[i + 1] - t[i]) * 1e3 / n
+        del out, loss_sum
+    names = ["drafter forward", "LM head + loss (fwd)", "backward", "clip + optimizer"]
+    print("  phases: " + ", ".join(f"{k} {x:.1f} ms" for k, x in zip(names, tot)))
+    print("  memory (GiB, allocated): " + ", ".join(f"{k} {v:.2f}" for k, v in mem.items()))
+    return {"ms": dict(zip(names, tot)), "gib": mem}
+
+
+def kernel_profile(run, opt, master, sc, embed, head, batch, autocast, device, rows=25):
+    """torch.profiler over two steps: the kernels by total CUDA time."""
+    from torch.profiler import ProfilerActivity, profile
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=acts) as prof:
+        for _ in range(2):
+            train_step(run, opt, None, embed, head, [batch], sc, autocast, master)
+        sync(device)
+    cuda = device.type == "cuda"
+    own = (lambda e: e.self_device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
+    events = [e for e in prof.key_averages() if own(e) > 0 and (not cuda or e.device_type.name == "CUDA")]
+    total = sum(own(e) for e in events) or 1
+    events.sort(key=lambda e: -own(e))
+    print(f"  {'kernels' if cuda else 'CPU ops'} over 2 steps: {total / 2e3:.1f} ms per step")
+    top = []
+    for e in events[:rows]:
+        share = own(e) / total
+        print(f"    {own(e) / 2e3:8.2f} ms/step {share:6.1%} x{e.count // 2:<5d} {e.key[:110]}")
+        top.append({"kernel": e.key[:200], "ms_per_step": own(e) / 2e3, "share": share})
+    return top
+
+
+def step(device, dcfg, S, A, variants, steps, profile: set[str]):
     section(f"step: seq {S}, {A} anchors, block {dcfg.block_size}, {dcfg.num_hidden_layers} layers, "
             f"hidden {dcfg.hidden_size}, vocab {dcfg.vocab_size}")
     V, H = dcfg.vocab_size, dcfg.hidden_size
     embed = (torch.randn(V, H, device=device) * 0.02).to(torch.bfloat16)
     head = (torch.randn(V, H, device=device) * 0.02).to(torch.bfloat16)
     batch = synth_batch(S, A, len(dcfg.target_layer_ids), H, V, device)
+    cuda = device.type == "cuda"
     autocast = torch.autocast(device.type, dtype=torch.bfloat16)
     rows = {}
-    for mode in modes:
+    for v in variants:
         torch._dynamo.reset()
         free()
-        m = run = opt = None
+        m = run = opt = master = None
+        name = str(v)
         try:
-            m, run, opt = make_model(dcfg, mode, device)
+            m, run, opt, master = make_model(dcfg, v, device)
+            sc = replace(StepConfig.of(run), loss=v.loss, loss_chunk=v.chunk)
             t0 = time.perf_counter()
-            dt, peak, loss, graphs, recompiles = time_steps(run, opt, embed, head, batch, steps, autocast, device)
-            rows[mode] = {"ms": dt * 1e3, "peak_gib": peak, "loss": loss, "graphs": graphs, "recompiles": recompiles}
-            print(f"compile {mode:9s}: {dt * 1e3:8.1f} ms/step  peak {peak:6.1f} GiB  {graphs} graphs, "
-                  f"{recompiles} recompiled in the timed steps ({param_count(m) / 1e9:.2f}B params, "
-                  f"{time.perf_counter() - t0:.0f}s incl. compile)", flush=True)
+            dt, peak, reserved, loss, graphs, recompiles = time_steps(run, opt, master, sc, embed, head, batch, steps,
+                                                                      autocast, device)
+            rows[name] = {"ms": dt * 1e3, "peak_gib": peak, "reserved_gib": reserved, "loss": loss, "graphs": graphs,
+                          "recompiles": recompiles}
+            print(f"{name:36s}: {dt * 1e3:8.1f} ms/step  peak {peak:6.1f} GiB (reserved {reserved:5.1f})  "
+                  f"loss {loss:.4f}  {graphs} graphs, {recompiles} recompiled in the timed steps "
+                  f"({param_count(m) / 1e9:.2f}B params, {time.perf_counter() - t0:.0f}s incl. compile)", flush=True)
+            if name in profile or "all" in profile:
+                rows[name]["phases"] = phases(run, opt, master, sc, embed, head, batch, autocast, device)
+                rows[name]["kernels"] = kernel_profile(run, opt, master, sc, embed, head, batch, autocast, device)
         except torch.OutOfMemoryError as e:
-            rows[mode] = {"ms": None, "peak_gib": None, "error": "out of memory"}
-            print(f"compile {mode:9s}: OUT OF MEMORY ({str(e).splitlines()[0][:120]})", flush=True)
+            rows[name] = {"ms": None, "peak_gib": None, "error": "out of memory"}
+            print(f"{name:36s}: OUT OF MEMORY ({str(e).splitlines()[0][:120]})", flush=True)
         finally:
-            del m, run, opt
+            del m, run, opt, master
             free()
-    ref = rows.get("full", {}).get("ms")
-    if ref:
-        for mode, r in rows.items():
+    base = rows.get(str(variants[0]), {})
+    if base.get("ms"):
+        for name, r in rows.items():
             if r.get("ms"):
-                print(f"  {mode:9s} vs full compile: time {r['ms'] / ref:.3f}x, peak memory "
-                      f"{r['peak_gib'] / rows['full']['peak_gib']:.3f}x")
-    base = rows.get(modes[0], {}).get("ms")
-    tokens_s = S / (base / 1e3) if base else None
-    RESULTS["step"] = {"shape": {"seq": S, "anchors": A, "block": dcfg.block_size}, "modes": rows,
-                       "context_tok_s": tokens_s}
-    return base
+                print(f"  {name:36s} vs {variants[0]}: time {r['ms'] / base['ms']:.3f}x, peak memory "
+                      f"{r['peak_gib'] / base['peak_gib']:.3f}x")
+    best = min((r["ms"] for r in rows.values() if r.get("ms")), default=None)
+    RESULTS["step"] = {"shape": {"seq": S, "anchors": A, "block": dcfg.block_size}, "variants": rows,
+                       "context_tok_s": S / (best / 1e3) if best else None}
+    return best
 
 
 # --- loader ---------------------------------------------------------------------------------
@@ -260,7 +367,8 @@ def online(device, dcfg, S, A, steps, target_layers):
     batch = synth_batch(S, A, len(layer_ids), dcfg.hidden_size, dcfg.vocab_size, device)
     host_hidden = batch["hidden"].cpu().pin_memory() if device.type == "cuda" else batch["hidden"].cpu()
     torch._dynamo.reset()
-    m, run, opt = make_model(dcfg, "blocks", device)
+    m, run, opt, master = make_model(dcfg, Variant("blocks" if device.type == "cuda" else "none",
+                                                   weights="bf16" if device.type == "cuda" else "fp32"), device)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16)
 
     def target_features():
@@ -270,11 +378,11 @@ def online(device, dcfg, S, A, steps, target_layers):
 
     def offline_step():
         b = dict(batch, hidden=host_hidden.to(device, non_blocking=True))
-        train_step(run, opt, None, embed, head, [b], StepConfig.of(run), autocast)
+        train_step(run, opt, None, embed, head, [b], StepConfig.of(run), autocast, master)
 
     def online_step():
         b = dict(batch, hidden=target_features())
-        train_step(run, opt, None, embed, head, [b], StepConfig.of(run), autocast)
+        train_step(run, opt, None, embed, head, [b], StepConfig.of(run), autocast, master)
 
     times = {}
     for name, fn in (("offline", offline_step), ("online", online_step), ("target forward only", target_features),
@@ -303,7 +411,10 @@ def main():
     ap.add_argument("--seq-len", type=int, default=8192)
     ap.add_argument("--anchors", type=int, default=512)
     ap.add_argument("--steps", type=int, default=5)
-    ap.add_argument("--modes", default="blocks,attention,full")
+    ap.add_argument("--variants", default="blocks:checkpointed:fp32:4096,blocks:fused:fp32:4096,"
+                    "blocks:fused:bf16:4096,blocks:fused:bf16:2048,attention:fused:bf16:4096",
+                    help="mode:loss:weights:chunk[:full] list (Variant); the first is the baseline of the ratios")
+    ap.add_argument("--profile", default="", help="variants (or all) whose phases and kernels are profiled")
     ap.add_argument("--loader-samples", type=int, default=12)
     ap.add_argument("--workers", type=int, default=12)
     ap.add_argument("--target-layers", type=int, default=64)
@@ -331,8 +442,11 @@ def main():
             if name == "check":
                 check(device)
             elif name == "step":
-                modes = a.modes.split(",") if device.type == "cuda" else ["none"]
-                step_ms = step(device, dcfg, S, A, modes, a.steps)
+                variants = [Variant.parse(x) for x in a.variants.split(",")]
+                if device.type != "cuda":  # no compile and no bf16 weights on the CPU
+                    variants = [Variant("none", v.loss, "fp32", v.chunk, v.full_attention) for v in variants]
+                    variants = list(dict.fromkeys(variants))
+                step_ms = step(device, dcfg, S, A, variants, a.steps, set(a.profile.split(",")))
             elif name == "loader":
                 wheres = a.loader_where.split(",")
                 server = None
