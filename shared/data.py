@@ -188,7 +188,9 @@ def iter_rows(files: list[Path]) -> Iterator[tuple[int, int, str, dict | RowErro
                 raise DataError(f"DATA {f}: not UTF-8 (byte {e.start}: {raw[e.start:e.start + 4]!r})") from None
             yield from ((fi, ri, w, row) for ri, w, row in _json_array_rows(f, text))
             continue
-        for ri, bline in enumerate(raw.splitlines()):
+        # JSON Lines ends a row at LF only: bytes.splitlines() would also split at a lone CR (or
+        # other separators), which is no row end, and shift every line number after it.
+        for ri, bline in enumerate(raw.split(b"\n")):
             where = f"{f} line {ri + 1}"
             if not bline.strip():
                 continue
@@ -298,7 +300,9 @@ def normalize_chat(row: dict, where: str, require_assistant: bool = True) -> lis
         if not isinstance(msgs, list) or not all(isinstance(t, str) for t in msgs):
             raise RowError("bad_field", where, f"field '{key}' is not {'a string' if key == 'prompt' else 'a list of strings'}")
         msgs = [{"role": "user", "content": t} for t in msgs]
-    if not isinstance(msgs, list) or not msgs:
+    if not isinstance(msgs, list):
+        raise RowError("bad_field", where, f"field '{key}' is not a list of messages ({type(msgs).__name__})")
+    if not msgs:
         raise RowError("empty_conversation", where, f"field '{key}' is empty")
     out = []
     for i, m in enumerate(msgs):

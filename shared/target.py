@@ -108,9 +108,21 @@ def end_of_turn(tokenizer) -> tuple[str, int | None]:
     return tokenizer.eos_token or "", tokenizer.eos_token_id
 
 
+# Files a tokenizer loads from: the fast tokenizer's own file, or what a slow one is built from.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tiktoken.model", "vocab.txt")
+
+
 def load_tokenizer(path: str | Path):
     from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(str(target_dir(path)))
+    folder = target_dir(path)
+    if folder.is_dir() and not any((folder / f).exists() for f in TOKENIZER_FILES):
+        # transformers would blame a missing sentencepiece/tiktoken for a missing file
+        raise TargetError(f"{folder} has no tokenizer: none of {', '.join(TOKENIZER_FILES)} is there "
+                          f"(copy the model's tokenizer.json beside its config.json)")
+    try:
+        tok = AutoTokenizer.from_pretrained(str(folder))
+    except (OSError, ValueError) as e:
+        raise TargetError(f"{folder}: the tokenizer could not be loaded: {str(e).strip().splitlines()[-1]}") from None
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     return tok

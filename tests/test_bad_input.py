@@ -43,6 +43,40 @@ def test_bytes_that_are_not_utf8_skip_the_row_with_a_reason(tiny, tmp_path):
     assert f"{path} line 2" in report.examples["invalid_utf8"] and "b'\\xe9" in report.examples["invalid_utf8"]
 
 
+def test_a_lone_carriage_return_neither_ends_a_row_nor_shifts_line_numbers(tiny, tmp_path):
+    """JSON Lines rows end at LF; a stray CR (or CRLF) is not a row end."""
+    path = tmp_path / "cr.jsonl"
+    chat = json.dumps(CHAT).encode()
+    path.write_bytes(b"not json\rstill line 1\n" + chat + b"\r\n" + b'{"messages": 5}\n' + chat + b"\n")
+    _, rows, report = encode_all(str(path), tiny["tokenizer"], 256, "truncate", progress=False)
+    assert [r.row for r in rows] == [1, 3]
+    assert dict(report.skipped) == {"malformed_json": 1, "bad_field": 1}
+    assert f"{path} line 1:" in report.examples["malformed_json"]
+    assert f"{path} line 3: field 'messages' is not a list of messages (int)" in report.examples["bad_field"]
+
+
+def test_a_chat_that_opens_with_the_assistant_is_blamed_for_that(tiny, tmp_path):
+    """An assistant turn no user message precedes has no serving prompt: not trained, and the
+    row's reason says so (it once read "empty conversation")."""
+    path = tmp_path / "assistant_first.jsonl"
+    rows = [{"messages": [{"role": "assistant", "content": "hello, how can I help"}]},
+            {"messages": [{"role": "assistant", "content": "hello"}, *CHAT["messages"]]}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    _, got, report = encode_all(str(path), tiny["tokenizer"], 256, "truncate", progress=False)
+    assert [r.row for r in got] == [1]
+    assert dict(report.skipped) == {"no_loss_tokens": 1}
+    assert "no assistant turn answers a user message" in report.examples["no_loss_tokens"]
+
+
+def test_a_target_without_tokenizer_files_is_named(tiny, tmp_path):
+    from shared.target import load_tokenizer
+    folder = tmp_path / "target"
+    shutil.copytree(tiny["target"], folder)
+    (folder / "tokenizer.json").unlink()
+    with pytest.raises(TargetError, match="has no tokenizer: none of tokenizer.json"):
+        load_tokenizer(folder)
+
+
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "weather of a city",
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
 
