@@ -12,6 +12,7 @@ import os
 import sys
 
 from shared.cli import from_args, parser_for
+from shared.location import object_store_error
 from shared.store import StoreError
 from shared.target import TargetError
 from train.checkpoint import TrainingError
@@ -70,6 +71,11 @@ def main(argv=None) -> int:
         return 1
     except (ValueError, ConfigError, StoreError, TargetError) as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:
+        if (msg := object_store_error(e)) is None:
+            raise
+        print(f"error: STORE {cfg.store}: {msg}", file=sys.stderr)
         return 2
 
 

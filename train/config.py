@@ -230,7 +230,7 @@ class TrainConfig:
     eval_every: int = opt(0, "steps per held-out offline tau estimate")
     eval_samples: int = opt(0, "the store's last N samples (widened to whole source rows), held out "
                                        "for the offline tau")
-    loss_chunk: int = opt(4096, "rows per LM-head chunk in the loss")
+    loss_chunk: int = opt(2048, "rows per LM-head chunk in the loss (two bf16 (rows, vocab) buffers live at once)")
     online: bool = opt(False, "baseline: run the target in every step instead of reading features")
     skip_nonfinite: bool = opt(False, "skip a step whose gradient is not finite (counted) instead of stopping")
     allow_other_target: bool = opt(False, "train although --target's embed_tokens/lm_head differ from the store's target")

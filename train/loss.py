@@ -133,10 +133,12 @@ class _FusedLinearCE(torch.autograd.Function):
                 part, pred[sl], gz = _hard_terms_for(z)(z, label[sl], w[sl])
             else:
                 part, pred[sl], gz = _soft_terms(z, w[sl], soft_idx[sl], soft_logp[sl])
-            del z
             total += part
             if need:
                 grad[sl] = (gz @ head).to(h.dtype)
+            # freed before the next chunk's logits exist: else three (rows, vocab) buffers would
+            # be alive at once (this chunk's logits and d/dz, the last chunk's d/dz)
+            del z, gz
         ctx.grad = grad
         ctx.mark_non_differentiable(pred)
         return total, pred

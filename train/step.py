@@ -39,7 +39,7 @@ class StepConfig:
     mask_form: str = "sdpa"            # "sdpa": dense bool masks; "flex": BlockMasks
     labels: str = "data"
     gamma: float = 7.0
-    loss_chunk: int = 4096
+    loss_chunk: int = 2048
     grad_clip: float = 1.0
     loss: str = "fused"                # "fused" (train.loss.fused_loss) or "checkpointed", its reference
 
