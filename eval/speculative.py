@@ -366,6 +366,9 @@ def main(argv=None) -> int:
     except (ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
     for name, r in s["sets"].items():
         print(f"[{name}] tau {r['tau']:.3f} over {r['blocks']} blocks ({r['prompts']} prompts, {r['new_tokens']} "
               f"tokens); tokens per target forward {r['tokens_per_target_forward']:.3f}")

@@ -13,8 +13,9 @@ import time
 from extract.config import ExtractConfig
 from extract.run import ExtractError, print_summary, run
 from shared import store as st
-from shared.cli import from_args, parser_for
+from shared.cli import exit_interrupted, from_args, parser_for
 from shared.data import DataError
+from shared.location import object_store_error
 from shared.progress import log
 from shared.target import TargetError
 
@@ -36,6 +37,13 @@ def main(argv=None) -> int:
     except (ValueError, DataError, TargetError, ExtractError, st.StoreError) as e:
         log(f"error: {e}")
         return 2
+    except Exception as e:
+        if (msg := object_store_error(e)) is None:
+            raise
+        log(f"error: STORE {cfg.store}: {msg}")
+        return 2
+    except KeyboardInterrupt:
+        exit_interrupted("interrupted: the units finished so far are kept; rerun the same command to resume")
 
 
 if __name__ == "__main__":

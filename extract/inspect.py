@@ -10,6 +10,7 @@ import json
 import sys
 
 import numpy as np
+from shared.location import object_store_error
 from shared.progress import progress_bar
 
 from shared import compression as cx
@@ -17,10 +18,12 @@ from shared import schema as sc
 from shared import store as st
 
 
-def verify(path: str, progress: bool = True) -> list[str]:
+def verify(path: str, progress: bool = True, damaged: list[int] | None = None) -> list[str]:
     """Every index entry inside its unit and non-overlapping; every unit marked done; every
     array decodes and matches the checksum taken before compression; no NaN in kept samples; the
-    extraction finalized. A damaged unit is a problem of its own: the checks go on."""
+    extraction finalized. A damaged unit is a problem of its own: the checks go on. `damaged`,
+    if given, receives the units whose arrays are unreadable or differ from their checksum."""
+    damaged = [] if damaged is None else damaged
     s = st.Store(path, require_complete=False)
     lay = s.layout
     problems = []
@@ -43,18 +46,21 @@ def verify(path: str, progress: bool = True) -> list[str]:
         if u not in done:
             problems.append(f"unit {u}: not written")
             continue
-        damaged = False
+        bad = False
         for name, want in done[u]["crc32"].items():
             try:
                 got = cx.crc(s.unit_array(name, u))
             except Exception as e:  # zarr's own checksum, a truncated shard, ...
                 problems.append(f"unit {u}: {name} unreadable ({type(e).__name__}: {e})")
-                damaged = True
+                bad = True
                 continue
             if got != want:
                 problems.append(f"unit {u}: {name} checksum {got:08x} != {want:08x} written")
+                bad = True
+        if bad:
+            damaged.append(u)
         members = by_unit[u][ok[by_unit[u]] == 1]
-        if lay.precision == "bf16" and len(members) and not damaged:
+        if lay.precision == "bf16" and len(members) and not bad:
             h = s.unit_hidden(u)
             for i in members:
                 lo = offsets[i] - u * lay.shard_tokens
@@ -66,6 +72,26 @@ def verify(path: str, progress: bool = True) -> list[str]:
                         "every unit written, the store not finalized") + "): training refuses it; rerun the "
                         "same extract command to finish it")
     return problems
+
+
+def check_target(path: str, target: str) -> list[str]:
+    """TARGET against the fingerprints the store's manifest recorded: the weights' (safetensors
+    headers, sizes, first and last MiB of each file) and every byte of embed_tokens and lm_head.
+    Another checkpoint, revision or retrain differs; a flipped byte inside a layer's weights may
+    not (compare the files' sha256 with their publisher's for that)."""
+    from shared.target import TargetError, load_embed_and_head, tensors_fingerprint, weights_fingerprint
+    t = st.Store(path, require_complete=False).manifest.target
+    try:
+        w, e = weights_fingerprint(target), tensors_fingerprint(*load_embed_and_head(target))
+    except (OSError, ValueError, TargetError) as err:
+        return [f"target {target}: unreadable ({err})"]
+    out = []
+    if w != t.weights_fingerprint:
+        out.append(f"target {target}: weights fingerprint {w} != the store's {t.weights_fingerprint} "
+                   f"(made from {t.path})")
+    if e != t.tensors_fingerprint:
+        out.append(f"target {target}: embed_tokens/lm_head fingerprint {e} != the store's {t.tensors_fingerprint}")
+    return out
 
 
 def describe(path: str) -> dict:
@@ -83,11 +109,20 @@ def main(argv=None) -> int:
     ap.add_argument("store")
     ap.add_argument("--verify", action="store_true", help="decode everything and check checksums")
     ap.add_argument("--json", action="store_true", help="print the manifest as JSON only")
+    ap.add_argument("--target", default=None, help="with --verify: also check that this target (folder or "
+                    ".gguf) is the store's, by the manifest's fingerprints")
+    ap.add_argument("--repair", action="store_true", help="with --verify: forget the damaged units (their "
+                    "markers) and reopen the store, so that rerunning its extraction command rewrites just them")
     a = ap.parse_args(argv)
     try:
         info = describe(a.store)
     except st.StoreError as e:
         print(f"error: {e}", file=sys.stderr)
+        return 2
+    except Exception as e:
+        if (msg := object_store_error(e)) is None:
+            raise
+        print(f"error: STORE {a.store}: {msg}", file=sys.stderr)
         return 2
     if a.json:
         print(json.dumps(info, indent=2))
@@ -116,11 +151,23 @@ def main(argv=None) -> int:
                       f"tokens)  {sm['turns_context']:,} context only")
             print(f"disk       {info['disk_bytes'] / 2**20:,.1f} MiB  {sm['bytes_per_token']} B/token  "
                   f"{sm['compression_vs_raw_bf16']}x vs raw bf16")
+    if a.repair and not a.verify:
+        print("error: --repair goes with --verify (it repairs what verify finds)", file=sys.stderr)
+        return 2
     if a.verify:
-        problems = verify(a.store)
+        damaged: list[int] = []
+        problems = verify(a.store, damaged=damaged)
+        if a.target:
+            problems += check_target(a.store, a.target)
         for p in problems:
             print(f"PROBLEM {p}")
         print(f"verify: {'OK' if not problems else f'{len(problems)} problem(s)'}")
+        if a.repair and damaged:
+            st.forget_units(a.store, damaged)
+            print(f"repair: units {damaged} forgotten and the store reopened: rerun the extraction command "
+                  f"that made it (same DATA, TARGET and options) to rewrite just these units")
+        elif a.repair:
+            print("repair: no damaged unit to rewrite" + (" (the problems above are not unit damage)" if problems else ""))
         return 1 if problems else 0
     return 0
 

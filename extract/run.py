@@ -98,6 +98,9 @@ def finalize(cfg: ExtractConfig, seconds: float) -> dict:
     Safe to repeat: a finalizer that dies is replaced by another, which does the same."""
     w = st.StoreWriter(cfg.store)
     man, layout = w.manifest, w.layout
+    swept = w.loc.sweep_temporaries()  # every unit is written: no writer is at work
+    if swept:
+        log(f"removed {swept} temporary file(s) of writes a killed run left unfinished")
     done = st.done_units(cfg.store)
     missing = [u for u in range(layout.n_units) if u not in done]
     if missing:
@@ -205,7 +208,13 @@ def run(cfg: ExtractConfig) -> dict:
     state, _ = st.store_state(loc)
     if state == "foreign":
         raise ExtractError(f"STORE {loc} exists and is not a feature store; refusing to write into it")
-    loc.prepare()
+    try:
+        loc.prepare()
+    except OSError as e:
+        if e.errno not in (errno.EROFS, errno.EACCES, errno.EPERM):
+            raise
+        raise ExtractError(f"STORE {loc} is not writable ({e.strerror or e}"
+                           f"{': ' + str(e.filename) if e.filename else ''}): choose a STORE this user can write") from None
     with Claims(loc, cfg.lease_seconds) as claims:
         return _run_claimed(cfg, loc, claims, manifest, tokenizer, layer_ids, tcfg["hidden_size"], state)
 

@@ -18,6 +18,7 @@ import mmap
 import multiprocessing as mp
 import os
 import queue
+import signal
 import sys
 import threading
 import time
@@ -151,6 +152,7 @@ def _proc_main(store: str, fd: DupFd, specs, slot_bytes: int, size: int, conn, n
     """A writer process: maps the pool, then writes the units it is sent until told to stop.
     Asks its parent before each shard whether the unit's claim is still held (the claims live
     there), clears the buffer after writing, and reports (marked, CPU seconds) or the error."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is its parent's to answer (shared/launch.py)
     if nice:
         os.nice(nice)  # its threads and the codecs' threads it starts inherit it
     # mapped whole at the start (while the worker loads its model), not page by page at each first read

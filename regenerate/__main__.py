@@ -15,7 +15,7 @@ import sys
 
 from regenerate.config import RegenConfig, RegenError
 from regenerate.run import run
-from shared.cli import from_args, parser_for
+from shared.cli import exit_interrupted, from_args, parser_for
 from shared.data import DataError
 from shared.progress import log
 from shared.target import TargetError
@@ -35,6 +35,8 @@ def main(argv=None) -> int:
     except (ValueError, DataError, TargetError, RegenError) as e:
         log(f"error: {e}")
         return 2
+    except KeyboardInterrupt:
+        exit_interrupted("interrupted: the rows written so far are kept; rerun the same command to resume")
 
 
 if __name__ == "__main__":

@@ -124,3 +124,21 @@ def parse_json_object(spec: str) -> dict:
     if not isinstance(value, dict):
         raise ValueError(f"expected a JSON object, got {type(value).__name__}")
     return value
+
+
+def exit_interrupted(message: str):
+    """Ctrl-C in a stage whose worker runs on a thread of this process: one line, then out at
+    once. Child processes (writers, spawned workers: they ignore SIGINT) are terminated first;
+    the interpreter's own shutdown is skipped, because tearing down torch under a thread still
+    inside a kernel aborts the process with a C++ error. Nothing is lost: every store and output
+    write is atomic, and a rerun resumes."""
+    import multiprocessing
+    import os
+    import sys
+    print(message, file=sys.stderr, flush=True)
+    for p in multiprocessing.active_children():
+        p.terminate()
+    for p in multiprocessing.active_children():
+        p.join(timeout=10)
+    sys.stdout.flush()
+    os._exit(130)

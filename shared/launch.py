@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import queue
+import signal
 import threading
 from collections.abc import Callable
 
@@ -17,6 +18,14 @@ class WorkerFailed(RuntimeError):
     def __init__(self, failed: list[tuple[int, int]]):
         super().__init__(f"worker(s) {failed} (rank, exit code) failed")
         self.failed = failed
+
+
+def _child(fn: Callable, *args):
+    """A spawned worker: Ctrl-C reaches the whole process group, and the parent alone answers it
+    (one line, then it terminates its workers): a worker ignores it instead of printing a
+    traceback of its own."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    fn(*args)
 
 
 def run_workers(fn: Callable, args: list[tuple], on_message: Callable[[object], None],
@@ -36,7 +45,7 @@ def run_workers(fn: Callable, args: list[tuple], on_message: Callable[[object], 
                 errors.append(e)
         workers = [threading.Thread(target=guarded, daemon=True)]
     else:
-        workers = [ctx.Process(target=fn, args=(*a, q)) for a in args]
+        workers = [ctx.Process(target=_child, args=(fn, *a, q)) for a in args]
     for w in workers:
         w.start()
     try:

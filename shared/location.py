@@ -22,10 +22,14 @@ import abc
 import contextlib
 import fcntl
 import os
+import re
 import shutil
 import uuid
 from collections.abc import Iterable
 from pathlib import Path
+
+TMP_MARK = ".tmp"                                   # <name>.tmp<pid>-<8 hex>: a write in progress
+_TMP_NAME = re.compile(r"\.tmp\d+-[0-9a-f]{8}$")
 
 _SCHEMES = ("s3://", "s3a://", "gs://", "gcs://", "az://", "abfs://", "azure://", "memory://", "http://",
             "https://")
@@ -99,6 +103,11 @@ class Location(abc.ABC):
         """Free space where the store grows; None where there is none to check (object storage)."""
 
     @abc.abstractmethod
+    def sweep_temporaries(self) -> int:
+        """Deletes what writes that never finished left behind; returns how many. Called only
+        when no writer is at work."""
+
+    @abc.abstractmethod
     def prepare(self):
         """Make the root exist, where that means something."""
 
@@ -137,15 +146,33 @@ class LocalLocation(Location):
         """(the key's path, a temporary file beside it holding data): renamed or linked into place."""
         p = self._p(key)
         p.parent.mkdir(parents=True, exist_ok=True)
-        tmp = p.with_name(f"{p.name}.tmp{os.getpid()}-{uuid.uuid4().hex[:8]}")
-        with open(tmp, "wb") as f:
-            f.write(data) if isinstance(data, (bytes, bytearray, memoryview)) else f.writelines(data)
+        tmp = p.with_name(f"{p.name}{TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data) if isinstance(data, (bytes, bytearray, memoryview)) else f.writelines(data)
+        except BaseException:  # a full disk, an interrupt: no half-written file is left in the store
+            tmp.unlink(missing_ok=True)
+            raise
         return p, tmp
 
     def write(self, key: str, data: "bytes | Iterable[bytes]"):
         """data: bytes, or pieces written one after another as they come."""
         p, tmp = self._staged(key, data)
-        os.replace(tmp, p)
+        try:
+            os.replace(tmp, p)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+
+    def sweep_temporaries(self) -> int:
+        """Deletes the temporary files of writes that never finished (a process killed while it
+        wrote, where no exception handler ran); only when no writer is at work (finalizing)."""
+        n = 0
+        for f in self.path.rglob(f"*{TMP_MARK}*"):
+            if _TMP_NAME.search(f.name) and f.is_file():
+                f.unlink(missing_ok=True)
+                n += 1
+        return n
 
     def create(self, key: str, data: bytes):
         p, tmp = self._staged(key, data)
@@ -227,7 +254,12 @@ class LocalLocation(Location):
         return shutil.disk_usage(p).free
 
     def prepare(self):
+        """The folder, made if missing, and proven writable (a folder on a read-only mount
+        exists but refuses the first file: better here than in a writer process)."""
         self.path.mkdir(parents=True, exist_ok=True)
+        probe = self.path / f".probe-{uuid.uuid4().hex}"
+        os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        probe.unlink()
 
 
 class ObjectLocation(Location):
@@ -240,6 +272,9 @@ class ObjectLocation(Location):
         self.url = url.rstrip("/")
         self._obs = obstore
         self.store = from_url(self.url)
+
+    def sweep_temporaries(self) -> int:
+        return 0  # a PUT appears whole or not at all: nothing is staged
 
     def zarr_store(self, read_only: bool = False):
         from zarr.storage import ObjectStore
@@ -330,3 +365,26 @@ def as_location(where: "str | Path | Location") -> Location:
     if isinstance(where, str) and where.startswith("file://"):
         where = where[len("file://"):]
     return LocalLocation(where)
+
+
+def object_store_error(e: BaseException) -> str | None:
+    """One line for a failure of object storage (obstore's errors, also raised through zarr):
+    the server's own error code and message where it sent one (NoSuchBucket, AccessDenied, ...),
+    else what the client says, first line only. None for any other exception."""
+    try:
+        from obstore.exceptions import BaseError
+    except ImportError:  # pragma: no cover - obstore is a dependency
+        return None
+    if not isinstance(e, BaseError):
+        return None
+    text = str(e)
+    code, msg = re.search(r"<Code>([^<]*)</Code>", text), re.search(r"<Message>([^<]*)</Message>", text)
+    if code:
+        return f"{code.group(1)}: {msg.group(1) if msg else text.splitlines()[0][:200]}"
+    endpoint = os.environ.get("AWS_ENDPOINT_URL") or os.environ.get("AWS_ENDPOINT")
+    low = text.lower()
+    if any(s in low for s in ("connection refused", "error sending request", "dns error", "timed out",
+                              "connect error", "tcp connect")):
+        where = f" {endpoint}" if endpoint else ""
+        return f"the object store{where} cannot be reached ({type(e).__name__}: {text.splitlines()[0][:160]})"
+    return f"{type(e).__name__}: {text.splitlines()[0][:200]}"

@@ -219,6 +219,18 @@ def write_unit(w: StoreWriter, unit: int, arrays: dict[str, np.ndarray], info: d
     return w.loc.create(marker_key(unit), json.dumps(info).encode()) is not None
 
 
+def forget_units(where, units: list[int]):
+    """The repair of damaged units: their markers deleted and the manifest marked incomplete, so
+    that rerunning the store's extraction resumes and rewrites exactly these units (their shards
+    are replaced whole). Training refuses the store until then."""
+    loc = as_location(where)
+    w = StoreWriter(loc)
+    for u in units:
+        loc.delete(marker_key(u))
+    w.manifest.complete, w.manifest.completed_at = False, None
+    w.publish()
+
+
 # --- reading --------------------------------------------------------------------------------
 
 @dataclass

@@ -399,3 +399,146 @@ def test_eval_refuses_a_drafter_trained_for_another_target(small_store, draft, t
     (wide / "config.json").write_text(json.dumps({**cfg, "hidden_size": 2 * cfg["hidden_size"]}))
     with pytest.raises(ValueError, match="has hidden_size 128, TARGET .* 64"):
         check_drafter_target(str(wide), str(tiny["target"]), allow=False)
+
+
+def test_object_storage_failures_are_one_line(tiny, draft, s3, tmp_path, capsys, monkeypatch):
+    """A bucket that does not exist and an endpoint nobody answers: one line naming the STORE and
+    the server's own code, from every stage that opens a store (no traceback)."""
+    from extract.inspect import main as inspect_main
+    from train.__main__ import main as train_main
+    url = "s3://no-such-bucket/stores/x"
+    calls = [lambda: main(["--data", str(tiny["corpus"]), "--target", str(tiny["target"]), "--store", url,
+                           "--no-progress"]),
+             lambda: inspect_main([url]), lambda: inspect_main([url, "--verify"]),
+             lambda: train_main(["--store", url, "--out", str(tmp_path / "run"), "--draft", str(draft),
+                                 "--no-progress"])]
+    for call in calls:
+        assert call() == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[-1] == f"error: STORE {url}: NoSuchBucket: The specified bucket does not exist", err
+        assert not any("Traceback" in l for l in err)
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")  # the discard port: refused at once
+    monkeypatch.setenv("AWS_MAX_RETRIES", "0")
+    assert inspect_main([s3.url("stores/y")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "the object store http://127.0.0.1:9 cannot be reached" in err[0], err
+
+
+def test_a_read_only_store_is_one_line_and_nothing_is_written(tiny, tmp_path, monkeypatch, capsys):
+    """A folder on a read-only mount exists but refuses its first file (root ignores chmod, so the
+    mount is simulated at the probe file the store's folder must accept)."""
+    import os as _os
+    real_open = _os.open
+    store = tmp_path / "ro"
+    store.mkdir()
+
+    def ro(path, flags, *a, **kw):
+        if str(path).startswith(str(store)) and flags & _os.O_CREAT:
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return real_open(path, flags, *a, **kw)
+
+    monkeypatch.setattr(_os, "open", ro)
+    assert main(["--data", str(tiny["corpus"]), "--target", str(tiny["target"]), "--store", str(store),
+                 "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"error: STORE {store} is not writable (Read-only file system: {store}/.probe-"), err
+    assert list(store.iterdir()) == []
+
+
+def test_damaged_units_are_repaired_by_rerunning_the_extraction(tiny, tmp_path, capsys):
+    """verify finds a truncated shard and a same-size corruption; --repair forgets those units;
+    the same extraction command then rewrites just them, and the store equals an undamaged one."""
+    from extract.inspect import main as inspect_main
+    ref, store = tmp_path / "ref", tmp_path / "s"
+    run(extract_cfg(tiny, ref))
+    run(extract_cfg(tiny, store))
+    shard = next(p for p in (store / "features" / "hidden" / "c" / "0").rglob("*") if p.is_file())
+    shard.write_bytes(shard.read_bytes()[:300])
+    last = st.Store(store).layout.n_units - 1
+    S = st.Store(store).layout.shard_tokens
+    zarr.open_group(str(store), mode="r+")["logits/lse"][last * S:last * S + 4] = 1.0
+    assert inspect_main([str(store), "--verify", "--repair"]) == 1
+    out = capsys.readouterr().out
+    assert f"repair: units [0, {last}] forgotten" in out
+    assert not st.Store(store, require_complete=False).manifest.complete  # training refuses it meanwhile
+    run(extract_cfg(tiny, store))
+    assert inspect_main([str(store), "--verify"]) == 0
+    a, b = read_all(ref), read_all(store)
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_a_failed_write_leaves_no_temporary_file_and_finalizing_sweeps_old_ones(tiny, tmp_path):
+    """A write that fails (a full disk) removes its temporary file; one a killed process left is
+    removed when the store is finalized."""
+    loc = as_location(str(tmp_path / "loc"))
+    loc.prepare()
+
+    def pieces():
+        yield b"x" * 1000
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(OSError):
+        loc.write("features/a/c/0", pieces())
+    assert [p.name for p in (tmp_path / "loc").rglob("*") if p.is_file()] == []
+    store = tmp_path / "s"
+    run(extract_cfg(tiny, store))
+    st.forget_units(store, [0])  # a unit to write again, as after a kill
+    stray = store / "features" / "hidden" / "c" / "0" / "0.tmp4242-0123abcd"
+    stray.write_bytes(b"half a shard")
+    run(extract_cfg(tiny, store))
+    assert not stray.exists()
+    assert not [p for p in store.rglob("*.tmp*")]
+
+
+def test_ctrl_c_is_one_line_and_the_rerun_resumes(tiny, tmp_path):
+    """Ctrl-C reaches the whole process group (the CLI, its writer processes): one line, exit code
+    130, no traceback from any process; the same command then finishes a store equal to an
+    uninterrupted one."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    ref, store = tmp_path / "ref", tmp_path / "s"
+    run(extract_cfg(tiny, ref, max_batch=1))
+    cmd = [sys.executable, "-m", "extract", "--data", str(tiny["corpus"]), "--target", str(tiny["target"]),
+           "--store", str(store), "--layers", "0,1,3", "--max-len", "256", "--shard-tokens", "1024",
+           "--chunk-tokens", "64", "--batch-tokens", "1024", "--topk", "8", "--max-batch", "1",
+           "--writers", "1", "--no-progress"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    t0 = time.time()
+    while not list((store / "_progress").glob("unit-*.json")) and time.time() - t0 < 120 and p.poll() is None:
+        time.sleep(0.05)
+    assert p.poll() is None, "finished before it could be interrupted"
+    os.killpg(p.pid, signal.SIGINT)
+    _, err = p.communicate(timeout=120)
+    lines = [l for l in err.splitlines() if l.strip() and not l.startswith("[transformers]")]
+    assert p.returncode == 130, err[-2000:]
+    assert not any("Traceback" in l or "terminate called" in l for l in lines), err[-2000:]
+    assert lines[-1] == "interrupted: the units finished so far are kept; rerun the same command to resume"
+    assert sum("interrupted" in l for l in lines) == 1
+    assert subprocess.run(cmd, capture_output=True).returncode == 0
+    a, b = read_all(ref), read_all(store)
+    assert all(np.array_equal(a[k], b[k]) for k in a)
+
+
+def test_verify_compares_a_target_with_the_stores_fingerprints(tiny, tmp_path, capsys):
+    """The manifest's fingerprints are the check that a target is the store's: a same-size change
+    of lm_head (what safetensors cannot see) is reported."""
+    from safetensors.torch import load_file, save_file
+    from extract.inspect import main as inspect_main
+    store = tmp_path / "s"
+    run(extract_cfg(tiny, store))
+    assert inspect_main([str(store), "--verify", "--target", str(tiny["target"])]) == 0
+    other = tmp_path / "other"
+    shutil.copytree(tiny["target"], other)
+    f = next(other.glob("*.safetensors"))
+    w = load_file(str(f))
+    name = next(k for k in w if "embed_tokens" in k)
+    w[name] = w[name].clone()
+    w[name][3, 5] += 1.0
+    save_file(w, str(f), metadata={"format": "pt"})
+    capsys.readouterr()
+    assert inspect_main([str(store), "--verify", "--target", str(other)]) == 1
+    out = capsys.readouterr().out
+    assert f"PROBLEM target {other}: embed_tokens/lm_head fingerprint" in out

@@ -77,6 +77,10 @@ def main(argv=None) -> int:
             raise
         print(f"error: STORE {cfg.store}: {msg}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("interrupted: rerun the same command with --resume to continue from the last checkpoint",
+              file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":
