@@ -542,3 +542,16 @@ def test_verify_compares_a_target_with_the_stores_fingerprints(tiny, tmp_path, c
     assert inspect_main([str(store), "--verify", "--target", str(other)]) == 1
     out = capsys.readouterr().out
     assert f"PROBLEM target {other}: embed_tokens/lm_head fingerprint" in out
+
+
+@pytest.mark.parametrize("field,value", [("num_hidden_layers", 0), ("hidden_size", -4), ("intermediate_size", 0)])
+def test_a_draft_config_with_no_layers_or_sizes_is_refused_by_name(draft, tmp_path, field, value):
+    from train.config import ConfigError, DrafterConfig
+    cfg = json.loads(draft.read_text())
+    cfg[field] = value
+    if field == "num_hidden_layers":
+        cfg.pop("layer_types", None)
+    bad = tmp_path / "draft.json"
+    bad.write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match=f"{bad}: {field} must be a whole number of at least 1, not {value}"):
+        DrafterConfig.load(bad)

@@ -57,6 +57,13 @@ class DrafterConfig:
     initializer_range: float = 0.02
 
     def __post_init__(self):
+        for name in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim", "intermediate_size",
+                     "num_hidden_layers", "vocab_size", "num_target_layers"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(f"{name} must be a whole number of at least 1, not {v!r}")
+        if not self.target_layer_ids:
+            raise ConfigError("target_layer_ids is empty: the drafter reads at least one target layer")
         if not self.layer_types:
             self.layer_types = ["full_attention"] * self.num_hidden_layers
         if len(self.layer_types) != self.num_hidden_layers:
@@ -150,7 +157,10 @@ class DrafterConfig:
         missing = [m for m in required if kw.get(m) is None]
         if missing:
             raise ConfigError(f"{where}: missing field(s) {missing}")
-        return cls(**kw)
+        try:
+            return cls(**kw)
+        except ConfigError as e:
+            raise ConfigError(f"{where}: {e}") from None
 
     @classmethod
     def load(cls, path: str | Path) -> "DrafterConfig":
