@@ -33,7 +33,7 @@ REGEN_DIR  ?= build/regenerated
 DEMO_REGEN ?= --max-new-tokens 96 --batch-size 128 --shard-rows 256
 REGEN_ARGS ?=
 
-.PHONY: venv test extract regenerate train inspect verify tiny demo eval ablate clean real-venv real-demo
+.PHONY: venv test extract regenerate train inspect verify tiny demo eval ablate clean real-venv real-demo recipe
 
 $(BIN)/.ready: pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -123,6 +123,33 @@ real-demo: real-venv
 	$(BIN)/python -m train --store "$(REAL_STORE)" --out "$(REAL_OUT)" --gpus "$(GPUS)" $(REAL_TRAIN) --resume $(TRAIN_ARGS); \
 	$(BIN)/python -m eval.speculative --drafter "$(REAL_OUT)/export" --target "$$T" $(REAL_EVAL) \
 	  --chat-template-kwargs '$(CHAT_TEMPLATE_KWARGS)' --json "$(REAL_OUT)/eval.json"
+
+# The DFlash recipe on a target of one's own, one command (on GPUs: GPUS=0 or 0,1,...; every step
+# resumes when rerun): the target answers RECIPE_ROWS prompts of RECIPE_DATA (greedy, the
+# serving template options), the answers are extracted, a drafter is trained on them, and it is
+# evaluated on MT-Bench and HumanEval beside prompt lookup (RECIPE_DIR/eval.json). Defaults:
+# SmolLM2-135M-Instruct on ShareGPT's first turns; RECIPE_TARGET=/path/to/checkpoint (or .gguf)
+# and RECIPE_DATA=any DATA extraction reads for one's own.
+RECIPE_TARGET  ?= smollm2
+RECIPE_DATA    ?= sharegpt
+RECIPE_ROWS    ?= 10000
+RECIPE_DIR     ?= runs/recipe
+RECIPE_MASK    ?= $(if $(filter smollm2,$(RECIPE_TARGET)),0)
+RECIPE_REGEN   ?= --turns first --max-new-tokens 512 --batch-size 512 --max-prompt-len 2048
+RECIPE_EXTRACT ?= --max-len 2048 --draft-layers 5
+RECIPE_TRAIN   ?= --draft-layers 5 --labels data --seq-len 4096 --max-anchors 512 --epochs 6 \
+                  --eval-every 500 --eval-samples 256
+RECIPE_EVAL    ?= --prompt-set mt-bench --prompt-set humaneval --prompts 80 --max-new 256
+recipe: real-venv
+	set -e; T="$(RECIPE_TARGET)"; [ "$$T" != smollm2 ] || T="$$($(BIN)/python -m shared.named_data smollm2)"; \
+	$(BIN)/python -m regenerate --data "$(RECIPE_DATA)" --max-rows $(RECIPE_ROWS) --target "$$T" \
+	  --out "$(RECIPE_DIR)/answers" --gpus "$(GPUS)" --chat-template-kwargs '$(CHAT_TEMPLATE_KWARGS)' $(RECIPE_REGEN); \
+	$(BIN)/python -m extract --data "$(RECIPE_DIR)/answers" --target "$$T" --store "$(RECIPE_DIR)/store" \
+	  --gpus "$(GPUS)" --chat-template-kwargs '$(CHAT_TEMPLATE_KWARGS)' $(RECIPE_EXTRACT); \
+	$(BIN)/python -m train --store "$(RECIPE_DIR)/store" --out "$(RECIPE_DIR)/drafter" --gpus "$(GPUS)" \
+	  $(if $(RECIPE_MASK),--mask-token-id $(RECIPE_MASK)) $(RECIPE_TRAIN) --resume; \
+	$(BIN)/python -m eval.speculative --drafter "$(RECIPE_DIR)/drafter/export" --target "$$T" $(RECIPE_EVAL) \
+	  --chat-template-kwargs '$(CHAT_TEMPLATE_KWARGS)' --json "$(RECIPE_DIR)/eval.json"
 
 clean:
 	rm -rf build stores runs

@@ -28,8 +28,9 @@ class RegenConfig:
     retries: int = opt(5, "openai engine: attempts per request on errors, 429 and 5xx (exponential backoff)")
     request_timeout: float = opt(600.0, "openai engine: seconds per request")
     max_rows: int = opt(0, "regenerate only DATA's first N rows (0: all), e.g. a slice of ShareGPT")
-    turns: Literal["last", "all"] = opt("last", "regenerate the last assistant turn, or every one in order "
-                                                "(each conditioned on the regenerated earlier ones)")
+    turns: Literal["last", "all", "first"] = opt(
+        "last", "regenerate the last assistant turn; every one in order (each conditioned on the regenerated "
+        "earlier ones); or the first exchange only (the first user message answered, the rest of the row dropped)")
     max_new_tokens: int = opt(512, "tokens per generated turn; a turn that hits it is kept, its finish "
                                    "reason 'length' recorded")
     temperature: float = opt(0.0, "0: greedy")

@@ -45,6 +45,14 @@ class Job:
     @classmethod
     def of(cls, g, fi, ri, row, msgs, turns: str) -> "Job":
         asst = [i for i, m in enumerate(msgs) if m["role"] == "assistant"]
+        if turns == "first":  # the first exchange only: what a user asks first, answered by the target
+            users = [i for i, m in enumerate(msgs) if m["role"] == "user"]
+            first_user = users[0] if users else None
+            if first_user is None or (asst and asst[0] < first_user):
+                job = cls(g, fi, ri, row, [], [])
+                job.error = ("no_prompt", "no user message before the first assistant turn")
+                return job
+            return cls(g, fi, ri, row, [msgs[:first_user + 1]], [])
         if not asst:  # a prompt-only row: the answer is appended; --turns all: one after each user turn
             if turns == "all":  # MT-Bench: the second question follows the target's own first answer
                 users = [i for i, m in enumerate(msgs) if m["role"] == "user"]

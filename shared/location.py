@@ -30,6 +30,7 @@ from pathlib import Path
 
 TMP_MARK = ".tmp"                                   # <name>.tmp<pid>-<8 hex>: a write in progress
 _TMP_NAME = re.compile(r"\.tmp\d+-[0-9a-f]{8}$")
+PROBE = ".probe-"                                   # prepare()'s writability check, gone at once
 
 _SCHEMES = ("s3://", "s3a://", "gs://", "gcs://", "az://", "abfs://", "azure://", "memory://", "http://",
             "https://")
@@ -232,8 +233,8 @@ class LocalLocation(Location):
         shutil.rmtree(self._p(prefix), ignore_errors=True)
 
     def names(self) -> set[str]:
-        """Top-level entries (files and folders)."""
-        return {p.name for p in self.path.iterdir()} if self.path.is_dir() else set()
+        """Top-level entries (files and folders); not another process's writability probe."""
+        return {p.name for p in self.path.iterdir() if not p.name.startswith(PROBE)} if self.path.is_dir() else set()
 
     def delete_all(self, keep: tuple[str, ...] = ()):
         """Everything in the store except the top-level entries named in keep."""
@@ -257,7 +258,7 @@ class LocalLocation(Location):
         """The folder, made if missing, and proven writable (a folder on a read-only mount
         exists but refuses the first file: better here than in a writer process)."""
         self.path.mkdir(parents=True, exist_ok=True)
-        probe = self.path / f".probe-{uuid.uuid4().hex}"
+        probe = self.path / f"{PROBE}{uuid.uuid4().hex}"
         os.close(os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         probe.unlink()
 

@@ -265,3 +265,21 @@ def test_openai_engine_keeps_the_servers_reasoning_and_extraction_trains_it(tiny
     assert trained(tok, row) == served(tok, row) and len(served(tok, row)) == 2
     _, samples, report = encode_all(str(tmp_path / "o"), tok, 4096, "truncate", progress=False)
     assert len(samples) == 2 and not report.skipped and report.turns_split == 1
+
+
+def test_first_turns_keep_the_first_exchange_only(tiny, data, tmp_path):
+    """--turns first: the first user message (after any system message) answered by the target,
+    the rest of the row dropped; a row whose first assistant turn has no user message before it
+    is skipped and named (the recipe's ShareGPT first turns)."""
+    src = tmp_path / "first.jsonl"
+    opens_with_assistant = {"messages": [{"role": "assistant", "content": "hello"}, {"role": "user", "content": "hi"},
+                                         {"role": "assistant", "content": "old"}]}
+    src.write_text("".join(json.dumps(r) + "\n" for r in (MULTI, PROMPT_ONLY, opens_with_assistant)))
+    out = tmp_path / "out"
+    s = run(cfg(tiny, src, out, turns="first"))
+    assert s["rows"] == 2 and s["skipped"] == {"no_prompt": 1}
+    rows = rows_of(out)
+    assert [m["role"] for m in rows[0]["messages"]] == ["system", "user", "assistant"]
+    assert rows[0]["messages"][1]["content"] == "first question"
+    assert rows[0]["messages"][2]["content"] != "old answer one"
+    assert [m["role"] for m in rows[1]["messages"]] == ["user", "assistant"]

@@ -146,7 +146,8 @@ def build_run(cfg: TrainConfig, rank: int, world: int, device: torch.device) -> 
         (run.out / "train_config.json").write_text(json.dumps(asdict(cfg), indent=2))
     log(f"drafter: {param_count(drafter) / 1e6:,.2f}M params, {dcfg.num_hidden_layers} layers, block "
         f"{dcfg.block_size}, target layers {dcfg.target_layer_ids}; attention {backend}, compile "
-        f"{mode}; weights {'bf16 (float32 masters)' if master else 'fp32'}; {world} rank(s) on {device.type}; {schedule.steps(0)} steps in epoch 0, {total} steps")
+        f"{mode}; weights {'bf16 (float32 masters)' if master else 'fp32'}; {world} rank(s) on {device.type}; "
+        f"{schedule.steps(0)} steps in epoch 0, {total} steps")
     return run
 
 
