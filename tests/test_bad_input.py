@@ -405,7 +405,11 @@ def test_object_storage_failures_are_one_line(tiny, draft, s3, tmp_path, capsys,
     """A bucket that does not exist and an endpoint nobody answers: one line naming the STORE and
     the server's own code, from every stage that opens a store (no traceback)."""
     from extract.inspect import main as inspect_main
-    from train.__main__ import main as train_main
+
+    def train_main(argv):
+        from train.__main__ import main
+        return main(argv)
+
     url = "s3://no-such-bucket/stores/x"
     calls = [lambda: main(["--data", str(tiny["corpus"]), "--target", str(tiny["target"]), "--store", url,
                            "--no-progress"]),
