@@ -28,6 +28,7 @@ from eval.config import SpecConfig
 from shared.cli import from_args, parser_for
 from shared.dflash import DFlashDraftModel
 from shared.features import capture_layers
+from shared.families import family_of
 from shared.target import compute_dtype
 
 
@@ -64,6 +65,10 @@ class Target:
         self.model, self.layer_ids = model, layer_ids
         params = inspect.signature(model.forward).parameters
         self.cache_kw = "cache" if "cache" in params else "past_key_values"
+        # An attention-only cache drops rejected drafts by cropping; DeltaNet/conv states cannot
+        # be cropped (they are restored from a snapshot and re-advanced instead).
+        family = family_of(getattr(model.config, "model_type", None))
+        self.croppable = family is not None and not family.fla
 
     def new_cache(self):
         from transformers import DynamicCache
@@ -149,7 +154,7 @@ def speculative(target: Target, propose, prompt: list[int], max_new: int, eos: i
     while not _stop(tokens, len(prompt), max_new, eos):
         res.anchors.append(len(tokens) - 1)          # the anchor: last committed, not yet processed
         drafted = propose(tokens, ctx)
-        snapshot = copy.deepcopy(cache)
+        snapshot = None if target.croppable else copy.deepcopy(cache)
         verify = [tokens[-1]] + drafted
         logits, feats, cache = target(verify, cache)
         choice = logits.argmax(-1).tolist()          # choice[i] = target's token for position a+1+i
@@ -160,10 +165,13 @@ def speculative(target: Target, propose, prompt: list[int], max_new: int, eos: i
         res.blocks.append(k + 1)
         res.forwards += 1
         if k < len(drafted):
-            # DeltaNet states cannot be cropped: restore and advance over the accepted tokens only.
-            cache = snapshot
-            _, _, cache = target(verify[:k + 1], cache)
-            res.recomputes += 1
+            if target.croppable:  # keep the processed positions: every committed token but the last
+                # a negative count removes that many (transformers 5.2x refuses an absolute size)
+                cache.crop(-(cache.get_seq_length() - (len(tokens) - 1)))
+            else:  # restore and advance over the accepted tokens only
+                cache = snapshot
+                _, _, cache = target(verify[:k + 1], cache)
+                res.recomputes += 1
     res.tokens = _trim(tokens, len(prompt), max_new, eos)
     res.seconds = time.perf_counter() - t0
     return res

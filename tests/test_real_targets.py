@@ -213,3 +213,36 @@ def test_a_gguf_target_is_converted_once_and_answers_as_an_instruct_model(tmp_pa
     embed, head = load_embed_and_head(gguf)
     assert torch.equal(embed, head) and embed.shape == (49152, 576)
     assert (folder / "model.safetensors").stat().st_mtime_ns == made  # converted once
+
+
+def test_dense_target_drops_rejected_drafts_by_cropping_its_cache(llama, tiny):
+    """An attention-only target crops its KV cache after a partial accept (one target forward per
+    block, no snapshot, no re-advance); drafts with planted mistakes of every length still give
+    exactly the greedy output."""
+    import random
+
+    from eval.speculative import Target, greedy, speculative
+    from shared.target import load_target
+    model = load_target(llama, torch.device("cpu"), torch.float32)
+    tok = tiny["tokenizer"]
+    plain, spec_t = Target(model, []), Target(model, [0, 2])
+    assert spec_t.croppable
+    block = 5
+    for r in tiny["rows"][:3]:
+        text = tok.apply_chat_template(r["messages"][:1], tokenize=False, add_generation_prompt=True)
+        p = tok(text, add_special_tokens=False)["input_ids"][:40]
+        ref = greedy(plain, list(p), 40, eos=None)
+        full = list(p) + ref.tokens
+        rng = random.Random(len(p))
+
+        def oracle(tokens, ctx):
+            out = (list(full[len(tokens):len(tokens) + block - 1]) + [0] * block)[:block - 1]
+            j = rng.randrange(block)  # the first wrong slot (block - 1: all right)
+            if j < block - 1:
+                out[j] = (out[j] + 1) % len(tok)
+            return out
+
+        s = speculative(spec_t, oracle, list(p), 40, eos=None)
+        assert s.tokens == ref.tokens
+        assert s.recomputes == 0 and min(s.blocks) == 1 and max(s.blocks) == block
+        assert s.forwards == len(s.blocks) + 1
