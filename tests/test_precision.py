@@ -87,3 +87,34 @@ def test_bf16_weights_need_bf16_compute(store, draft, tmp_path):
     from train.loop import train
     with pytest.raises(ConfigError, match="--weights bf16 needs --dtype bf16"):
         train(tcfg(store, draft, tmp_path / "c", max_steps=2, dtype="fp32", weights="bf16"))
+
+
+def test_two_ranks_with_bf16_weights_equal_one_rank_with_accumulation(store, draft, tmp_path):
+    """bf16 weights under DDP (2 CPU processes, gloo): each micro-batch's bf16 gradient is
+    all-reduced, then added into the float32 masters. Against one process accumulating two
+    micro-batches: the same loss and global gradient norm to bf16 rounding of the all-reduced
+    sum, and masters within a fraction of one step (lr). A missing or double reduction moves the
+    norm by about 2x, far outside these bounds."""
+    import sys
+
+    from conftest import finish_groups, history, start_group
+    from train.loop import train
+    kw = dict(seq_len=512, max_steps=4, log_every=1, dtype="bf16", weights="bf16")
+    train(tcfg(store, draft, tmp_path / "one", grad_accum=2, **kw))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "train",
+           "--store", str(store), "--out", str(tmp_path / "two"), "--draft", str(draft), "--seq-len", "512",
+           "--max-anchors", "16", "--max-steps", "4", "--lr", "3e-3", "--workers", "0", "--loss-chunk", "64",
+           "--log-every", "1", "--dtype", "bf16", "--weights", "bf16", "--no-progress"]
+    proc = start_group(cmd)
+    err = finish_groups([proc])[0]
+    assert proc.returncode == 0, err[-3000:]
+    h1, h2 = history(tmp_path / "one"), history(tmp_path / "two")
+    assert [h["step"] for h in h1] == [h["step"] for h in h2] == [1, 2, 3, 4]
+    for a, b in zip(h1, h2):
+        assert abs(a["loss"] - b["loss"]) <= 2e-3 * a["loss"], (a["loss"], b["loss"])
+        assert abs(a["grad_norm"] - b["grad_norm"]) <= 2e-2 * a["grad_norm"], (a["grad_norm"], b["grad_norm"])
+    p1, p2 = params(tmp_path / "one"), params(tmp_path / "two")
+    for k in p1:
+        assert p1[k].dtype == p2[k].dtype == torch.float32
+        off = ((p1[k] - p2[k]).abs() > 1.5e-3).float().mean()  # half of one Adam step of lr 3e-3
+        assert off < 0.02, (k, float(off))
