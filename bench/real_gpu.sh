@@ -13,10 +13,12 @@
 #   bash bench/real_gpu.sh decode  the decoder benchmark and the regeneration alone
 # .gg/sharegpt-first.jsonl.gz: the first (human, gpt) pair of ShareGPT's first 6,000 records that
 # begin with one (`python -m shared.named_data sharegpt`, read by our reader).
-#   ROWS, STEPS, PROMPTS, MAX_NEW, REGEN_BATCH: the run's size.
+#   ROWS, STEPS, PROMPTS, MAX_NEW, REGEN_BATCH: the run's size; EVAL_S: seconds per evaluation.
+# Call it without `| tail`: a call cut off by its time limit then still returns what was printed
+# (the device tool keeps the last 12,000 characters); every step's log is also under /tmp/log.
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 DFLASH_TARGET_CACHE=/tmp/targets HF_HUB_OFFLINE=1
-ROWS=${ROWS:-4000}; STEPS=${STEPS:-1000}; PROMPTS=${PROMPTS:-20}; MAX_NEW=${MAX_NEW:-192}
+ROWS=${ROWS:-4000}; STEPS=${STEPS:-1000}; PROMPTS=${PROMPTS:-10}; MAX_NEW=${MAX_NEW:-128}
 REGEN_BATCH=${REGEN_BATCH:-512}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/gg /tmp/s /tmp/r /tmp/d /tmp/log
 T=/tmp/gg/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -45,7 +47,7 @@ data)
     stamp "decoder benchmark"
     timeout ${BENCH_S:-200} python3 bench/regen_bench.py --target $T --data $DATA --max-new 512 --max-prompt-len 1024 \
         --decoders ${DECODERS:-generate:256:256,static:512:2048,static:1024:2048} --json $OUT/regen_bench.json 2>&1 \
-        | grep -v -i "warn\|it/s"
+        | grep --line-buffered -v -i "warn\|it/s"
     # Six target layers: DFlash's defaults for 5 draft layers (1,8,14,20,27), 3 (1,14,27) and 1 (15).
     ext() {  # name data [extract options...]
         local name=$1 data=$2; shift 2
@@ -56,7 +58,8 @@ data)
     stamp "regenerate $ROWS first turns (greedy, batch $REGEN_BATCH), beside the dataset answers' extraction"
     ext data $DATA &
     timeout ${REGEN_S:-200} python3 -m regenerate --data $DATA --max-rows $ROWS --target $T --out /tmp/d/regen --gpus 0 \
-        --batch-size $REGEN_BATCH --max-new-tokens 512 --max-prompt-len 2048 --no-progress 2>&1 | tail -4
+        --batch-size $REGEN_BATCH --max-new-tokens 512 --max-prompt-len 2048 --no-progress > /tmp/log/regen.log 2>&1
+    stamp "regenerated: rc $?"; tail -n 3 /tmp/log/regen.log
     cp /tmp/d/regen/part-00000.jsonl $OUT/regen-part-00000.jsonl 2>/dev/null
     wait
     [ -n "${DECODE_ONLY:-}" ] && exit 0
@@ -79,8 +82,8 @@ eval)
         [ -f /tmp/r/$name.rc ] || { tail -n 5 /tmp/log/train-$name.log; continue; }
         stamp "$name trained: rc $(cat /tmp/r/$name.rc)"; tail -2 /tmp/log/train-$name.log
         cp /tmp/r/$name/metrics.jsonl $OUT/metrics-$name.jsonl
-        python3 -m eval.speculative --drafter /tmp/r/$name/export --target $T --prompt-set mt-bench \
-            --prompt-set humaneval --prompts $PROMPTS --max-new $MAX_NEW --no-progress \
+        timeout ${EVAL_S:-300} python3 -m eval.speculative --drafter /tmp/r/$name/export --target $T \
+            --prompt-set mt-bench --prompt-set humaneval --prompts $PROMPTS --max-new $MAX_NEW --no-progress \
             --json $OUT/eval-$name.json > /tmp/log/eval-$name.log 2>&1 &
     done
     wait
