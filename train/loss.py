@@ -33,19 +33,23 @@ def slot_targets(batch: dict, block: int, gamma: float, labels: str):
     return out
 
 
-def _row_loss(h, head, label, soft_idx, soft_logp):
-    logits = (h @ head.T).float()
-    pred = logits.argmax(-1)
-    if soft_idx is None:
-        return F.cross_entropy(logits, label, reduction="none"), pred
-    # Distillation from the stored top-k: cross-entropy over the (K+1)-way coarse distribution
-    # (the K stored tokens and the tail), which is exact for what the store knows.
+def _distill_ce(logits, soft_idx, soft_logp):
+    """Distillation from the stored top-k: cross-entropy over the (K+1)-way coarse distribution
+    (the K stored tokens and the tail), which is exact for what the store knows. Per row."""
     logq = logits.log_softmax(-1)
     q_top = logq.gather(-1, soft_idx)
     p_top = soft_logp.exp()
     p_tail = (1 - p_top.sum(-1)).clamp(min=0)
     q_tail = torch.log1p(-q_top.exp().sum(-1).clamp(max=1 - 1e-6))
-    return -(p_top * q_top).sum(-1) - p_tail * q_tail, pred
+    return -(p_top * q_top).sum(-1) - p_tail * q_tail
+
+
+def _row_loss(h, head, label, soft_idx, soft_logp):
+    logits = (h @ head.T).float()
+    pred = logits.argmax(-1)
+    if soft_idx is None:
+        return F.cross_entropy(logits, label, reduction="none"), pred
+    return _distill_ce(logits, soft_idx, soft_logp), pred
 
 
 def chunked_loss(hidden: torch.Tensor, head: torch.Tensor, tg: dict, chunk: int):
@@ -100,15 +104,10 @@ def _hard_terms_for(z):
 
 def _soft_terms(z, w, soft_idx, soft_logp):
     """One chunk with distillation targets: the same sum, argmax and d(sum)/dz, the gradient taken
-    by autograd through the reference formula (_row_loss's) on this chunk alone."""
+    by autograd through the reference formula on this chunk alone."""
     with torch.enable_grad():
         zf = z.float().requires_grad_(True)
-        logq = zf.log_softmax(-1)
-        q_top = logq.gather(-1, soft_idx)
-        p_top = soft_logp.exp()
-        p_tail = (1 - p_top.sum(-1)).clamp(min=0)
-        q_tail = torch.log1p(-q_top.exp().sum(-1).clamp(max=1 - 1e-6))
-        total = ((-(p_top * q_top).sum(-1) - p_tail * q_tail) * w).sum()
+        total = (_distill_ce(zf, soft_idx, soft_logp) * w).sum()
         (gz,) = torch.autograd.grad(total, zf)
     return total.detach(), zf.detach().argmax(-1), gz.to(z.dtype)
 
@@ -146,7 +145,8 @@ class _FusedLinearCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_total, g_pred):
         grad, ctx.grad = ctx.grad, None
-        return grad * g_total.to(grad.dtype), None, None, None, None, None, None
+        # a 0-dim float32 factor: computed in float32, rounded once to grad's dtype
+        return grad * g_total, None, None, None, None, None, None
 
 
 def fused_loss(hidden: torch.Tensor, head: torch.Tensor, tg: dict, chunk: int):
