@@ -104,6 +104,15 @@ def tiny(tmp_path_factory) -> dict:
     return {"target": root / "target", "corpus": corpus, "rows": rows, "tokenizer": tok}
 
 
+@pytest.fixture(scope="session")
+def store(tiny, tmp_path_factory):
+    """One default store of the tiny target for the tests that only read it (training, fidelity)."""
+    from extract.run import run as extract_run
+    path = tmp_path_factory.mktemp("train") / "store"
+    extract_run(extract_cfg(tiny, path))
+    return path
+
+
 def extract_cfg(tiny, store: Path, **kw):
     from extract.config import ExtractConfig
     base = dict(data=str(tiny["corpus"]), target=str(tiny["target"]), store=str(store), layer_ids=[0, 1, 3],

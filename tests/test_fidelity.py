@@ -11,17 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import extract_cfg
-from extract.run import run as extract_run
 from train.checkpoint import TrainingError
 from train.config import ConfigError, DrafterConfig, TrainConfig
-
-
-@pytest.fixture(scope="module")
-def store(tiny, tmp_path_factory):
-    path = tmp_path_factory.mktemp("fid") / "store"
-    extract_run(extract_cfg(tiny, path))
-    return path
 
 
 def drafter_cfg(tiny, **kw) -> DrafterConfig:

@@ -10,8 +10,6 @@ import pytest
 import torch
 
 from conftest import params, tcfg
-from extract.run import run as extract_run
-from conftest import extract_cfg
 from train.config import DrafterConfig
 from train.loss import slot_targets
 from train.mask import sample_anchors
@@ -60,13 +58,6 @@ def test_master_step_equals_autocast_step():
         # the model's bf16 weights are the masters rounded
         assert torch.equal(dict(got.named_parameters())[n].detach(), state[n].bfloat16()), n
     assert all(p.grad is None for p in got.parameters())
-
-
-@pytest.fixture(scope="module")
-def store(tiny, tmp_path_factory):
-    path = tmp_path_factory.mktemp("precision") / "store"
-    extract_run(extract_cfg(tiny, path))
-    return path
 
 
 def test_bf16_weights_resume_exactly_with_float32_masters(store, draft, tmp_path):

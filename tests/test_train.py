@@ -18,13 +18,6 @@ from train.config import ConfigError, DrafterConfig
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def store(tiny, tmp_path_factory):
-    path = tmp_path_factory.mktemp("train") / "store"
-    extract_run(extract_cfg(tiny, path))
-    return path
-
-
 def test_short_run_lowers_loss(store, draft, tmp_path):
     from train.loop import train
     res = train(tcfg(store, draft, tmp_path / "run", max_steps=40, lr=5e-3))
