@@ -139,7 +139,7 @@ RECIPE_REGEN   ?= --turns first --max-new-tokens 512 --batch-size 512 --max-prom
 RECIPE_EXTRACT ?= --max-len 2048 --draft-layers 5
 RECIPE_TRAIN   ?= --draft-layers 5 --labels data --seq-len 4096 --max-anchors 512 --epochs 6 \
                   --eval-every 500 --eval-samples 256
-RECIPE_EVAL    ?= --prompt-set mt-bench --prompt-set humaneval --prompts 80 --max-new 256
+RECIPE_EVAL    ?= --prompt-set mt-bench --prompt-set humaneval --prompts 20 --max-new 256
 recipe: real-venv
 	set -e; T="$(RECIPE_TARGET)"; [ "$$T" != smollm2 ] || T="$$($(BIN)/python -m shared.named_data smollm2)"; \
 	$(BIN)/python -m regenerate --data "$(RECIPE_DATA)" --max-rows $(RECIPE_ROWS) --target "$$T" \

@@ -29,6 +29,7 @@ from shared.cli import from_args, parser_for
 from shared.dflash import DFlashDraftModel
 from shared.features import capture_layers
 from shared.families import family_of
+from shared.location import atomic_write_text
 from shared.target import compute_dtype
 
 
@@ -334,10 +335,11 @@ def check_drafter_target(drafter: str, target: str, allow: bool):
                          f"differs from TARGET {target}'s {got}; --allow-other-target evaluates anyway")
 
 
-def evaluate_drafter(cfg: SpecConfig) -> dict:
+def evaluate_drafter(cfg: SpecConfig, on_set=None) -> dict:
     """Decode the prompts of cfg.data (its last cfg.prompts rows) and of each prompt set (their
     first cfg.prompts rows) greedily, with the drafter and with prompt lookup: tau, speedup,
-    exactness per set. The first set's figures are also the result's own keys."""
+    exactness per set. The first set's figures are also the result's own keys. on_set(result so
+    far) after each set: a long evaluation cut off keeps the sets it finished."""
     from shared.target import end_of_turn, load_target, load_tokenizer
     if not cfg.data and not cfg.prompt_set:
         raise ValueError("give --data and/or --prompt-set (mt-bench, humaneval, or a DATA file)")
@@ -357,11 +359,19 @@ def evaluate_drafter(cfg: SpecConfig) -> dict:
         sets["data"] = prompts_from(cfg.data, tok, cfg.prompts, cfg.max_prompt, cfg.chat_template_kwargs)
     for spec in cfg.prompt_set:
         sets[spec] = Dialogues(spec, tok, cfg.prompts, cfg.max_prompt, cfg.chat_template_kwargs)
-    results = {name: decode_all(model, drafter, prompts, cfg.max_new, eos, cfg.progress, cfg.prompt_lookup)
-               for name, prompts in sets.items()}
-    first = next(iter(results.values()))
-    return {**first, "sets": results, "mismatches": [{"set": k, **m} for k, r in results.items() for m in r["mismatches"]],
-            "device": str(dev), "dtype": str(dt).removeprefix("torch.")}
+    results = {}
+
+    def result(complete: bool) -> dict:
+        first = next(iter(results.values()))
+        return {**first, "sets": dict(results), "complete": complete,
+                "mismatches": [{"set": k, **m} for k, r in results.items() for m in r["mismatches"]],
+                "device": str(dev), "dtype": str(dt).removeprefix("torch.")}
+
+    for name, prompts in sets.items():
+        results[name] = decode_all(model, drafter, prompts, cfg.max_new, eos, cfg.progress, cfg.prompt_lookup)
+        if on_set is not None and len(results) < len(sets):
+            on_set(result(False))
+    return result(True)
 
 
 def main(argv=None) -> int:
@@ -369,8 +379,12 @@ def main(argv=None) -> int:
         cfg = from_args(SpecConfig, parser_for(SpecConfig, "python -m eval.speculative", __doc__).parse_args(argv))
     except SystemExit as e:  # argparse has printed why
         return int(e.code or 0)
+    def partial(r: dict):  # the sets finished so far, in case the rest never finishes
+        if cfg.json:
+            atomic_write_text(Path(cfg.json), json.dumps(r, indent=2))
+
     try:
-        s = evaluate_drafter(cfg)
+        s = evaluate_drafter(cfg, on_set=partial)
     except (ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -390,7 +404,7 @@ def main(argv=None) -> int:
                   f"{pl['tokens_per_target_forward']:.3f}, speedup {pl['speedup']:.2f}x; the drafter's tau is "
                   f"{r['tau'] / max(pl['tau'], 1e-9):.2f}x prompt lookup's")
     if cfg.json:
-        Path(cfg.json).write_text(json.dumps(s, indent=2))
+        atomic_write_text(Path(cfg.json), json.dumps(s, indent=2))
     if s["mismatches"]:
         print(f"ERROR: speculative output differs from greedy on {len(s['mismatches'])} prompt(s): "
               f"{s['mismatches'][:5]}", file=sys.stderr)

@@ -64,9 +64,14 @@ def test_llama_target_extracts_trains_and_decodes_exactly(llama, tiny, tmp_path)
     cfg.draft = None  # the drafter derived from the llama target
     res = train(cfg)
     assert res["step"] == 6
+    partial = []
     s = evaluate_drafter(SpecConfig(drafter=str(tmp_path / "run" / "export"), target=str(llama),
-                                    data=str(tiny["corpus"]), prompts=2, max_new=12, progress=False))
+                                    data=str(tiny["corpus"]), prompt_set=[str(tiny["corpus"])], prompts=2,
+                                    max_new=12, progress=False), on_set=partial.append)
     assert not s["mismatches"] and s["prompt_lookup"]["blocks"] > 0
+    # the first set's result is handed over before the second set runs (kept if that never ends)
+    assert [(list(p["sets"]), p["complete"]) for p in partial] == [(["data"], False)]
+    assert list(s["sets"]) == ["data", str(tiny["corpus"])] and s["complete"]
 
 
 def test_train_refuses_a_tokenizer_without_mask_token_unless_given_one(tiny, tmp_path):
