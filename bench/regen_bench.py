@@ -12,7 +12,8 @@ Each --decoders item is DECODER:BATCH:PROMPTS: PROMPTS first-turn prompts of DAT
 (sorted by length as regeneration does), after a warm-up on 8 of them. Generated tokens/s counts the
 tokens each turn keeps, its end of turn included (not the static decoder's steps past it). Where
 both decoders ran, the greedy turns they share are compared: identical turns and the mean agreeing
-prefix (bf16 attention kernels differ, so a few turns part late). The 27B shape's random weights
+prefix; every run is also compared with the first (e.g. generate at two batch sizes: what the
+batch's kernels alone change in bf16, the baseline for the static decoder's agreement). The 27B shape's random weights
 almost never produce the end-of-turn id, so its prompts run to --max-new.
 """
 
@@ -69,6 +70,8 @@ def main():
     ap.add_argument("--max-new", type=int, default=64)
     ap.add_argument("--max-prompt-len", type=int, default=1024)
     ap.add_argument("--prompt-len", type=int, default=256, help="27b: random prompt length")
+    ap.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
+                    help="the target's dtype (auto: bf16 on a GPU, fp32 on the CPU)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -76,7 +79,7 @@ def main():
     if a.target:
         from shared.data import RowError, iter_rows, normalize_chat, resolve
         cfg = RegenConfig(data=a.data, out="-", target=a.target, max_new_tokens=a.max_new, decoder="generate",
-                          progress=False)
+                          dtype=a.dtype, progress=False)
         eng = LocalEngine(cfg, str(device))
         prompts = []
         for _, _, label, row in iter_rows(resolve(a.data)):
@@ -103,8 +106,14 @@ def main():
                    for _ in range(max(n for _, _, n in runs))]
         print(f"random 27B-shaped target, prompts of {a.prompt_len}, {a.max_new} new tokens")
     rows, outs = [], {}
+    first = None
     for d, b, n in runs:
         row, out = measure(eng, prompts, d, b, min(n, len(prompts)), device)
+        if first is None:
+            first = out
+        else:  # every run against the first on the prompts both decoded: what batch size alone changes
+            row["agrees_with_first"] = agreement(out, first)
+            print(f"  against the first run: {row['agrees_with_first']}", flush=True)
         rows.append(row)
         outs.setdefault(d, out)
     res = {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu", "runs": rows}
