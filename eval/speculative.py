@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from eval.config import SpecConfig
-from shared.cli import from_args, parser_for
+from shared.cli import from_args, parser_for, refuse_below
 from shared.dflash import DFlashDraftModel
 from shared.features import capture_layers
 from shared.families import family_of
@@ -343,9 +343,7 @@ def evaluate_drafter(cfg: SpecConfig, on_set=None) -> dict:
     from shared.target import end_of_turn, load_target, load_tokenizer
     if not cfg.data and not cfg.prompt_set:
         raise ValueError("give --data and/or --prompt-set (mt-bench, humaneval, or a DATA file)")
-    for name in ("max_new", "max_prompt"):  # 0 new tokens would report a speedup of nothing
-        if getattr(cfg, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, not {getattr(cfg, name)}")
+    refuse_below(cfg, ("max_new", "max_prompt"), 1)  # 0 new tokens would report a speedup of nothing
     if cfg.prompts < 0:
         raise ValueError(f"--prompts must be 0 (all) or more, not {cfg.prompts}")
     check_drafter_target(cfg.drafter, cfg.target, cfg.allow_other_target)
@@ -379,6 +377,7 @@ def main(argv=None) -> int:
         cfg = from_args(SpecConfig, parser_for(SpecConfig, "python -m eval.speculative", __doc__).parse_args(argv))
     except SystemExit as e:  # argparse has printed why
         return int(e.code or 0)
+
     def partial(r: dict):  # the sets finished so far, in case the rest never finishes
         if cfg.json:
             atomic_write_text(Path(cfg.json), json.dumps(r, indent=2))

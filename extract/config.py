@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from shared.cli import opt, parse_gpus, parse_json_object
+from shared.cli import opt, parse_gpus, parse_json_object, refuse_below
 from shared.compression import CODECS
 
 
@@ -65,13 +65,9 @@ class ExtractConfig:
     progress: bool = opt(True, "tqdm progress bars")
 
     def validate(self):
-        for name in ("cpu_workers", "draft_layers", "max_len", "topk", "batch_tokens", "max_batch", "shard_tokens",
-                     "chunk_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{name.replace('_', '-')} must be at least 1, not {getattr(self, name)}")
-        for name in ("max_rows", "writers", "buckets_per_octave"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"--{name.replace('_', '-')} must be 0 or more, not {getattr(self, name)}")
+        refuse_below(self, ("cpu_workers", "draft_layers", "max_len", "topk", "batch_tokens", "max_batch",
+                            "shard_tokens", "chunk_tokens"), 1)
+        refuse_below(self, ("max_rows", "writers", "buckets_per_octave"), 0)
         if self.max_len < 2:
             raise ValueError(f"--max-len {self.max_len}: a sample needs a context token and a token to predict")
         if self.layer_ids is not None:

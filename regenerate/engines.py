@@ -35,10 +35,10 @@ class LocalEngine:
         self.eot = end_of_turn(self.tok)[1]
         self.pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.eot
         from regenerate.decode import StaticGreedy, supports_static
-        static = cfg.decoder == "static" or (cfg.decoder == "auto" and cfg.temperature == 0
-                                             and supports_static(self.model))
-        if static and (cfg.temperature > 0 or not supports_static(self.model)):
+        applies = cfg.temperature == 0 and supports_static(self.model)
+        if cfg.decoder == "static" and not applies:
             raise RegenError("--decoder static decodes greedy turns (--temperature 0) of dense targets only")
+        static = applies and cfg.decoder in ("static", "auto")
         self.static = StaticGreedy(self.model, cfg.batch_size) if static else None
 
     def generate(self, prompts: list[tuple[list[dict], list | None]], seed: int) -> list[Reply]:

@@ -142,3 +142,14 @@ def exit_interrupted(message: str):
         p.join(timeout=10)
     sys.stdout.flush()
     os._exit(130)
+
+
+def refuse_below(cfg, names: tuple[str, ...], low: int, error: type[Exception] = ValueError, hint: str = ""):
+    """The first of cfg's options `names` under `low` (0 or 1), refused as its --flag with the value;
+    an option left out (None) is not checked."""
+    what = "at least 1" if low == 1 else "0 or more"
+    for name in names:
+        v = getattr(cfg, name)
+        if v is not None and v < low:
+            raise error(f"--{name.replace('_', '-')} must be {what}, not {v}{hint}")
+

@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Literal
 
-from shared.cli import opt, parse_gpus
+from shared.cli import opt, parse_gpus, refuse_below
 from shared.dflash import ROPE_KEYS, causal_setting, layer_mask, parse_rope_theta
 from shared.schema import Manifest
 from shared.target import default_layer_ids
@@ -248,17 +248,11 @@ class TrainConfig:
     progress: bool = opt(True, "tqdm progress bar")
 
     def validate(self):
-        for name in ("micro_batch", "grad_accum", "max_anchors", "epochs", "draft_layers", "block_size",
-                     "log_every", "save_every", "loss_chunk"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, not {getattr(self, name)}")
-        for name in ("max_steps", "stop_after"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, not {getattr(self, name)} "
-                                  f"(leave it out for the default)")
-        for name in ("workers", "eval_every", "eval_samples", "weight_decay", "min_lr_ratio", "warmup_ratio"):
-            if getattr(self, name) < 0:
-                raise ConfigError(f"--{name.replace('_', '-')} must be 0 or more, not {getattr(self, name)}")
+        refuse_below(self, ("micro_batch", "grad_accum", "max_anchors", "epochs", "draft_layers", "block_size",
+                            "log_every", "save_every", "loss_chunk"), 1, ConfigError)
+        refuse_below(self, ("max_steps", "stop_after"), 1, ConfigError, " (leave it out for the default)")
+        refuse_below(self, ("workers", "eval_every", "eval_samples", "weight_decay", "min_lr_ratio", "warmup_ratio"),
+                     0, ConfigError)
         for name in ("lr", "gamma", "grad_clip"):
             if not getattr(self, name) > 0:
                 raise ConfigError(f"--{name.replace('_', '-')} must be positive, not {getattr(self, name)}")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
@@ -89,17 +91,14 @@ def _hard_terms(z, label, w):
     return (ce * w).sum(), zf.argmax(-1), gz.to(z.dtype)
 
 
-_hard_terms_compiled = None
+@functools.cache
+def _compiled_hard_terms():
+    return torch.compile(_hard_terms, dynamic=False)
 
 
 def _hard_terms_for(z):
     """The compiled chunk on a GPU (elementwise passes over the logits fused), eager elsewhere."""
-    global _hard_terms_compiled
-    if z.device.type != "cuda":
-        return _hard_terms
-    if _hard_terms_compiled is None:
-        _hard_terms_compiled = torch.compile(_hard_terms, dynamic=False)
-    return _hard_terms_compiled
+    return _compiled_hard_terms() if z.device.type == "cuda" else _hard_terms
 
 
 def _soft_terms(z, w, soft_idx, soft_logp):
