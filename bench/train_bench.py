@@ -105,23 +105,43 @@ def check(device):
 
 @dataclass(frozen=True)
 class Variant:
-    """One way of running the step: `mode:loss:weights:chunk[:full]`, e.g. blocks:fused:bf16:4096.
-    loss: fused | checkpointed (the step before issue 27); weights: bf16 (float32 masters) | fp32
-    (autocast over float32 weights, before issue 27); `full`: every layer full attention (the
-    peer's layout) instead of the drafter's sliding-window layers."""
+    """One way of running the step: `mode:loss:weights:chunk[:full][:PRESET]`, e.g.
+    blocks:fused:bf16:4096 or blocks:fused:bf16:2048:safe. loss: fused | checkpointed (the step
+    before issue 27); weights: bf16 (float32 masters) | fp32 (autocast over float32 weights, before
+    issue 27); `full`: every layer full attention (the peer's layout) instead of the drafter's
+    sliding-window layers; PRESET: flex kernel options from FLEX_PRESETS (`--flex-options`)."""
     mode: str
     loss: str = "fused"
     weights: str = "bf16"
     chunk: int = 4096
     full_attention: bool = False
+    flex: str = ""
 
     @classmethod
     def parse(cls, text: str) -> "Variant":
         p = text.split(":")
-        return cls(p[0], *(p[1:3]), *(int(x) for x in p[3:4]), *(x == "full" for x in p[4:5]))
+        rest = p[4:]
+        presets = [x for x in rest if x != "full"]
+        if len(presets) > 1 or any(x not in FLEX_PRESETS for x in presets):
+            raise SystemExit(f"variant {text}: after the chunk only `full` and one of {sorted(FLEX_PRESETS)}")
+        return cls(p[0], *(p[1:3]), *(int(x) for x in p[3:4]), "full" in rest, "".join(presets))
 
     def __str__(self):
-        return f"{self.mode}:{self.loss}:{self.weights}:{self.chunk}" + (":full" if self.full_attention else "")
+        return f"{self.mode}:{self.loss}:{self.weights}:{self.chunk}" + (":full" if self.full_attention else "") + \
+            (f":{self.flex}" if self.flex else "")
+
+
+# flex_attention kernel options tried on the step (torch's Hopper default for the backward at
+# head dim 128 is blocks 64/128/128/64, 3 stages, 8 warps)
+SAFE = {"ROWS_GUARANTEED_SAFE": True}  # every DFlash query sees at least its own slot
+FLEX_PRESETS = {
+    "safe": SAFE,
+    "bwd64": {**SAFE, "bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 64,
+              "bwd_num_stages": 3, "bwd_num_warps": 4},
+    "bwd32": {**SAFE, "bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 32,
+              "bwd_num_stages": 3, "bwd_num_warps": 4},
+    "tma": {**SAFE, "USE_TMA": True},
+}
 
 
 def make_model(dcfg, v: Variant, device):
@@ -129,7 +149,8 @@ def make_model(dcfg, v: Variant, device):
     torch.manual_seed(0)
     if v.full_attention:
         dcfg = replace(dcfg, layer_types=["full_attention"] * dcfg.num_hidden_layers)
-    m = DFlashDrafter(dcfg, backend=attention_backend("auto", v.mode, device.type == "cuda")).to(device)
+    m = DFlashDrafter(dcfg, backend=attention_backend("auto", v.mode, device.type == "cuda"),
+                      kernel_options=FLEX_PRESETS.get(v.flex)).to(device)
     master = MasterWeights(m) if v.weights == "bf16" else None
     run = compile_drafter(m, v.mode)
     opt = torch.optim.AdamW(master.masters if master else m.parameters(), lr=1e-4, betas=(0.9, 0.95),

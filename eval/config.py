@@ -13,8 +13,10 @@ TEMPLATE_HELP = ("JSON object for the chat template, as at extraction and servin
 
 @dataclass
 class SpecConfig:
-    drafter: str = opt(help="exported drafter folder (config.json + model.safetensors)")
     target: str = opt(help="the target checkpoint")
+    drafter: list[str] = opt(help="exported drafter folder (config.json + model.safetensors); repeatable: several "
+                                  "drafters of one target share the greedy and prompt-lookup decodings",
+                             repeat=True, default_factory=list)
     data: str | None = opt(None, "chat rows; the prompt of each of the last --prompts rows' last assistant turn")
     prompt_set: list[str] = opt(help="mt-bench, humaneval (installed from the package registry: shared/named_data.py) "
                                      "or a DATA file: each row's user turns asked in order after the target's own "
@@ -29,6 +31,10 @@ class SpecConfig:
     json: str | None = opt(None, "write the summary to this JSON file")
     allow_other_target: bool = opt(False, "evaluate although the drafter records another target's embed/lm_head")
     progress: bool = opt(True, "tqdm progress bar")
+
+    def __post_init__(self):
+        if isinstance(self.drafter, str):  # one drafter, as a program passes it
+            self.drafter = [self.drafter]
 
 
 @dataclass

@@ -256,6 +256,9 @@ class Dialogues:
                 history.append({"role": "assistant", "content": self.tok.decode(ans)})
 
 
+PROMPT_LOOKUP = object()  # decode_many's key for the baseline: no drafter's name can equal it
+
+
 def resolve_device(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
     dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
                        ("cpu" if device == "auto" else device))
@@ -267,15 +270,26 @@ def decode_all(target_model, drafter, prompts, max_new: int, eos: int | None, pr
     """Greedy and speculative decoding of every prompt (a list of ids, or Dialogues, told each
     greedy answer); tau, tokens per target forward, timings; beside the drafter, prompt lookup
     (eval/lookup.py) drafting as many tokens per block, on the same prompts."""
+    return decode_many(target_model, {"drafter": drafter}, prompts, max_new, eos, progress, prompt_lookup)["drafter"]
+
+
+def decode_many(target_model, drafters: dict, prompts, max_new: int, eos: int | None, progress: bool = True,
+                prompt_lookup: bool = True) -> dict:
+    """decode_all for several drafters of one target: each prompt is decoded greedily and with
+    prompt lookup once, then with every drafter, so that N drafters cost N drafter decodings and
+    not N times the baselines too. {name: decode_all's result for that drafter}."""
     from eval.lookup import prompt_lookup_proposal
     from shared.progress import progress_bar
-    layer_ids, block, _ = drafter_info(drafter)
-    target = Target(target_model, layer_ids)
     plain = Target(target_model, [])
     embed, head = target_model.get_input_embeddings().weight, target_model.lm_head.weight
-    methods = {"drafter": (target, drafter_proposal(drafter, embed, head))}
-    if prompt_lookup:
-        methods["prompt_lookup"] = (plain, prompt_lookup_proposal(block - 1))
+    methods, blocks = {}, set()
+    for name, drafter in drafters.items():
+        layer_ids, block, _ = drafter_info(drafter)
+        methods[name] = (Target(target_model, layer_ids), drafter_proposal(drafter, embed, head), block)
+        blocks.add(block)
+    if prompt_lookup:  # as many tokens per block as the drafters draft
+        k = max(blocks)
+        methods[PROMPT_LOOKUP] = (plain, prompt_lookup_proposal(k - 1), k)
     runs = {m: {"blocks": [], "seconds": 0.0, "forwards": 0, "tokens": 0, "mismatches": []} for m in methods}
     t_greedy, g_forwards, n = 0.0, 0, 0
     for i, p in enumerate(progress_bar(prompts, total=len(prompts), desc="speculative decoding",
@@ -284,7 +298,7 @@ def decode_all(target_model, drafter, prompts, max_new: int, eos: int | None, pr
         t_greedy, g_forwards, n = t_greedy + g.seconds, g_forwards + g.forwards, n + 1
         if hasattr(prompts, "answer"):
             prompts.answer(g.tokens)
-        for m, (tgt, propose) in methods.items():
+        for m, (tgt, propose, _) in methods.items():
             s = speculative(tgt, propose, list(p), max_new, eos)
             r = runs[m]
             if s.tokens != g.tokens:
@@ -296,21 +310,25 @@ def decode_all(target_model, drafter, prompts, max_new: int, eos: int | None, pr
             r["forwards"] += s.forwards
             r["tokens"] += len(s.tokens)
 
-    def summary(r):
-        out = acceptance_summary(r["blocks"], block)
+    def summary(m):
+        r = runs[m]
+        out = acceptance_summary(r["blocks"], methods[m][2])
         out.update({"new_tokens": r["tokens"], "tokens_per_target_forward": r["tokens"] / max(r["forwards"], 1),
                     "speculative_seconds": round(r["seconds"], 3), "speedup": t_greedy / max(r["seconds"], 1e-9),
                     "mismatches": r["mismatches"]})
         return out
 
-    out = summary(runs["drafter"])
-    out.update({"prompts": n, "greedy_seconds": round(t_greedy, 3),
-                "greedy_ms_per_token": round(1000 * t_greedy / max(g_forwards, 1), 3)})
-    if prompt_lookup:
-        out["prompt_lookup"] = summary(runs["prompt_lookup"])
-        out["mismatches"] = out["mismatches"] + [{"method": "prompt_lookup", **x}
-                                                 for x in out["prompt_lookup"]["mismatches"]]
-    return out
+    results = {}
+    for name in drafters:
+        out = summary(name)
+        out.update({"prompts": n, "greedy_seconds": round(t_greedy, 3),
+                    "greedy_ms_per_token": round(1000 * t_greedy / max(g_forwards, 1), 3)})
+        if prompt_lookup:
+            out["prompt_lookup"] = summary(PROMPT_LOOKUP)
+            out["mismatches"] = out["mismatches"] + [{"method": "prompt_lookup", **x}
+                                                     for x in out["prompt_lookup"]["mismatches"]]
+        results[name] = out
+    return results
 
 
 def check_drafter_target(drafter: str, target: str, allow: bool):
@@ -338,38 +356,69 @@ def check_drafter_target(drafter: str, target: str, allow: bool):
 def evaluate_drafter(cfg: SpecConfig, on_set=None) -> dict:
     """Decode the prompts of cfg.data (its last cfg.prompts rows) and of each prompt set (their
     first cfg.prompts rows) greedily, with the drafter and with prompt lookup: tau, speedup,
-    exactness per set. The first set's figures are also the result's own keys. on_set(result so
-    far) after each set: a long evaluation cut off keeps the sets it finished."""
+    exactness per set. The first set's figures are also the result's own keys. Several drafters
+    of one target (--drafter repeated) share the baselines' decodings; the first one's result is
+    the top level, and "drafters" holds each one's. on_set(result so far) after each set: a long
+    evaluation cut off keeps the sets it finished."""
     from shared.target import end_of_turn, load_target, load_tokenizer
     if not cfg.data and not cfg.prompt_set:
         raise ValueError("give --data and/or --prompt-set (mt-bench, humaneval, or a DATA file)")
     refuse_below(cfg, ("max_new", "max_prompt"), 1)  # 0 new tokens would report a speedup of nothing
     if cfg.prompts < 0:
         raise ValueError(f"--prompts must be 0 (all) or more, not {cfg.prompts}")
-    check_drafter_target(cfg.drafter, cfg.target, cfg.allow_other_target)
+    if not cfg.drafter:
+        raise ValueError("give --drafter (an export folder of `python -m train`; repeatable)")
+    if len(set(cfg.drafter)) < len(cfg.drafter):
+        raise ValueError(f"--drafter names one folder twice: {cfg.drafter}")
+    for d in cfg.drafter:
+        check_drafter_target(d, cfg.target, cfg.allow_other_target)
     dev, dt = resolve_device(cfg.device, cfg.dtype)
     model = load_target(cfg.target, dev, dt)
     tok = load_tokenizer(cfg.target)
-    drafter = load_served_drafter(cfg.drafter, dev, dt)
+    drafters = {d: load_served_drafter(d, dev, dt) for d in cfg.drafter}
     eos = end_of_turn(tok)[1]
     sets = {}
     if cfg.data:
         sets["data"] = prompts_from(cfg.data, tok, cfg.prompts, cfg.max_prompt, cfg.chat_template_kwargs)
     for spec in cfg.prompt_set:
         sets[spec] = Dialogues(spec, tok, cfg.prompts, cfg.max_prompt, cfg.chat_template_kwargs)
-    results = {}
+    results = {d: {} for d in drafters}  # drafter -> set -> figures
 
-    def result(complete: bool) -> dict:
-        first = next(iter(results.values()))
-        return {**first, "sets": dict(results), "complete": complete,
-                "mismatches": [{"set": k, **m} for k, r in results.items() for m in r["mismatches"]],
+    def one(per_set: dict, complete: bool) -> dict:
+        first = next(iter(per_set.values()))
+        return {**first, "sets": dict(per_set), "complete": complete,
+                "mismatches": [{"set": k, **m} for k, r in per_set.items() for m in r["mismatches"]],
                 "device": str(dev), "dtype": str(dt).removeprefix("torch.")}
 
+    def result(complete: bool) -> dict:
+        out = one(results[cfg.drafter[0]], complete)
+        if len(drafters) > 1:
+            out["drafters"] = {d: one(results[d], complete) for d in drafters}
+            out["mismatches"] = [{"drafter": d, **m} for d in drafters for m in out["drafters"][d]["mismatches"]]
+        return out
+
     for name, prompts in sets.items():
-        results[name] = decode_all(model, drafter, prompts, cfg.max_new, eos, cfg.progress, cfg.prompt_lookup)
-        if on_set is not None and len(results) < len(sets):
+        for d, r in decode_many(model, drafters, prompts, cfg.max_new, eos, cfg.progress, cfg.prompt_lookup).items():
+            results[d][name] = r
+        if on_set is not None and len(results[cfg.drafter[0]]) < len(sets):
             on_set(result(False))
     return result(True)
+
+
+def print_result(s: dict):
+    """One drafter's figures per prompt set, as the command prints them."""
+    for name, r in s["sets"].items():
+        print(f"[{name}] tau {r['tau']:.3f} over {r['blocks']} blocks ({r['prompts']} prompts, {r['new_tokens']} "
+              f"tokens); tokens per target forward {r['tokens_per_target_forward']:.3f}")
+        print(f"[{name}] accepted-length histogram (tokens committed per verification): "
+              + " ".join(f"{i}:{c}" for i, c in enumerate(r["histogram"]) if c))
+        print(f"[{name}] wall clock ({s['device']}, {s['dtype']}): greedy {r['greedy_seconds']:.2f}s, speculative "
+              f"{r['speculative_seconds']:.2f}s, speedup {r['speedup']:.2f}x")
+        if "prompt_lookup" in r:
+            pl = r["prompt_lookup"]
+            print(f"[{name}] prompt lookup: tau {pl['tau']:.3f}, tokens per target forward "
+                  f"{pl['tokens_per_target_forward']:.3f}, speedup {pl['speedup']:.2f}x; the drafter's tau is "
+                  f"{r['tau'] / max(pl['tau'], 1e-9):.2f}x prompt lookup's")
 
 
 def main(argv=None) -> int:
@@ -390,18 +439,10 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    for name, r in s["sets"].items():
-        print(f"[{name}] tau {r['tau']:.3f} over {r['blocks']} blocks ({r['prompts']} prompts, {r['new_tokens']} "
-              f"tokens); tokens per target forward {r['tokens_per_target_forward']:.3f}")
-        print(f"[{name}] accepted-length histogram (tokens committed per verification): "
-              + " ".join(f"{i}:{c}" for i, c in enumerate(r["histogram"]) if c))
-        print(f"[{name}] wall clock ({s['device']}, {s['dtype']}): greedy {r['greedy_seconds']:.2f}s, speculative "
-              f"{r['speculative_seconds']:.2f}s, speedup {r['speedup']:.2f}x")
-        if "prompt_lookup" in r:
-            pl = r["prompt_lookup"]
-            print(f"[{name}] prompt lookup: tau {pl['tau']:.3f}, tokens per target forward "
-                  f"{pl['tokens_per_target_forward']:.3f}, speedup {pl['speedup']:.2f}x; the drafter's tau is "
-                  f"{r['tau'] / max(pl['tau'], 1e-9):.2f}x prompt lookup's")
+    for d, one in (s["drafters"] if "drafters" in s else {cfg.drafter[0]: s}).items():
+        if "drafters" in s:
+            print(f"== drafter {d}")
+        print_result(one)
     if cfg.json:
         atomic_write_text(Path(cfg.json), json.dumps(s, indent=2))
     if s["mismatches"]:

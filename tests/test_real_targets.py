@@ -72,6 +72,14 @@ def test_llama_target_extracts_trains_and_decodes_exactly(llama, tiny, tmp_path)
     # the first set's result is handed over before the second set runs (kept if that never ends)
     assert [(list(p["sets"]), p["complete"]) for p in partial] == [(["data"], False)]
     assert list(s["sets"]) == ["data", str(tiny["corpus"])] and s["complete"]
+    # a second drafter (the same export under another name) beside it: each its own result
+    import shutil
+    shutil.copytree(tmp_path / "run" / "export", tmp_path / "copy")
+    two = evaluate_drafter(SpecConfig(drafter=[str(tmp_path / "run" / "export"), str(tmp_path / "copy")],
+                                      target=str(llama), data=str(tiny["corpus"]), prompts=2, max_new=12,
+                                      progress=False))
+    assert list(two["drafters"]) == [str(tmp_path / "run" / "export"), str(tmp_path / "copy")]
+    assert two["drafters"][str(tmp_path / "copy")]["histogram"] == s["sets"]["data"]["histogram"] == two["histogram"]
 
 
 def test_train_refuses_a_tokenizer_without_mask_token_unless_given_one(tiny, tmp_path):

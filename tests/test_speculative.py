@@ -147,3 +147,27 @@ def test_offline_estimate_equals_real_acceptance(tiny, target, tmp_path):
     # the last block may be cut by max_new / the end of the stored sequence
     assert est[:-1] == real.blocks[:-1]
     assert len(set(real.blocks)) > 1, real.blocks  # the comparison covers more than one length
+
+
+def test_several_drafters_share_the_baselines_and_match_one_at_a_time(tiny, target, tmp_path):
+    """decode_many: drafters reading different target layers, decoded beside one another after one
+    greedy and one prompt-lookup decoding per prompt, get the figures each gets alone."""
+    from eval.speculative import decode_all, decode_many
+    drafters = {}
+    for name, layers, seed in (("a", [0, 3], 0), ("b", [1, 2, 3], 1)):
+        cfg = DrafterConfig(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                            intermediate_size=128, num_hidden_layers=1, vocab_size=512, num_target_layers=4,
+                            target_layer_ids=layers, mask_token_id=3, block_size=4)
+        torch.manual_seed(seed)
+        drafters[name] = exported(DFlashDrafter(cfg).eval(), tmp_path / name)
+    ps = prompts(tiny, 2)
+    both = decode_many(target, drafters, ps, 24, None, progress=False)
+    assert list(both) == ["a", "b"]
+    drop = ("speculative_seconds", "speedup", "greedy_seconds", "greedy_ms_per_token")
+    for name, d in drafters.items():
+        alone = decode_all(target, d, ps, 24, None, progress=False)
+        got = {k: v for k, v in both[name].items() if k not in drop}
+        want = {k: v for k, v in alone.items() if k not in drop}
+        for r in (got, want):  # prompt lookup's timings differ between runs too
+            r["prompt_lookup"] = {k: v for k, v in r["prompt_lookup"].items() if k not in drop}
+        assert got == want and not got["mismatches"]

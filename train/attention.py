@@ -22,12 +22,13 @@ def compiled_flex():
     return torch.compile(flex_attention, dynamic=False)
 
 
-def attend(q, k, v, mask, backend: str):
-    """q: (B, nh, Q, D); k, v: (B, nkv, KV, D); mask: BlockMask (flex) or (B, 1, Q, KV) bool."""
+def attend(q, k, v, mask, backend: str, kernel_options: dict | None = None):
+    """q: (B, nh, Q, D); k, v: (B, nkv, KV, D); mask: BlockMask (flex) or (B, 1, Q, KV) bool.
+    kernel_options: flex_attention's (`--flex-options`), e.g. the backward's block sizes."""
     if backend == "sdpa":
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
     fn = compiled_flex() if backend == "flex_compiled" else flex_attention
-    return fn(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+    return fn(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1], kernel_options=kernel_options or None)
 
 
 def build_masks(batch: dict, block: int, kinds: set[tuple[bool, int | None]], backend: str, device) -> dict:

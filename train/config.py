@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Literal
 
-from shared.cli import opt, parse_gpus, refuse_below
+from shared.cli import opt, parse_gpus, parse_json_object, refuse_below
 from shared.dflash import ROPE_KEYS, causal_setting, layer_mask, parse_rope_theta
 from shared.schema import Manifest
 from shared.target import default_layer_ids
@@ -228,6 +228,10 @@ class TrainConfig:
         "attention: the flex_attention call only; full: the whole drafter; none; auto = blocks on a "
         "GPU, none on the CPU (small drafters there gain less than the compile costs)")
     attention: Literal["auto", "flex", "sdpa"] = opt("auto", "flex (GPU) or SDPA with the dense mask (CPU)")
+    flex_options: dict = opt(help="flex_attention kernel_options as JSON, e.g. '{\"ROWS_GUARANTEED_SAFE\": true}' "
+                                  "(every DFlash row sees its own block) or the backward's block sizes "
+                                  "(bwd_BLOCK_M1, ...): speed only, BENCHMARKS.md measures them",
+                             parse=parse_json_object, default_factory=dict)
     dtype: Literal["auto", "bf16", "fp32"] = opt("auto", "autocast dtype: auto = bf16 on GPU, fp32 on CPU")
     weights: Literal["auto", "bf16", "fp32"] = opt(
         "auto", "parameters the step runs on: bf16 with float32 masters in the optimizer, or fp32 under "
@@ -267,7 +271,8 @@ class TrainConfig:
         return self
 
     # options a resumed run may change: they decide neither the data order nor the updates
-    RESUMABLE = ("resume", "progress", "stop_after", "workers", "prefetch", "log_every", "save_every", "target")
+    RESUMABLE = ("resume", "progress", "stop_after", "workers", "prefetch", "log_every", "save_every", "target",
+                 "flex_options")
 
     def resume_differences(self, saved: dict) -> list[str]:
         """The options that differ from the checkpoint's run (those it recorded)."""

@@ -133,7 +133,7 @@ class RowDataset(Dataset):
 
     def _read(self, i: int):
         try:
-            return self.store.read(i, list(self.spec.layer_ids), decode=False)
+            return self.store.read(i, list(self.spec.layer_ids), decode=False, logprobs=self.spec.distill)
         except StoreError:
             raise
         except Exception as e:  # a checksum mismatch, a truncated shard: name what was being read

@@ -13,10 +13,11 @@ from shared.dflash import DFlashStack
 
 
 class DFlashDrafter(nn.Module, DFlashStack):
-    def __init__(self, cfg: DrafterConfig, backend: str = "sdpa"):
+    def __init__(self, cfg: DrafterConfig, backend: str = "sdpa", kernel_options: dict | None = None):
         super().__init__()
         self.cfg = cfg
         self.backend = backend  # "sdpa" | "flex" | "flex_compiled" (train.attention)
+        self.kernel_options = dict(kernel_options or {})  # flex's; they change speed, not the math
         self.build_stack(cfg, len(cfg.target_layer_ids))
         self.reset_parameters()
 
@@ -33,7 +34,7 @@ class DFlashDrafter(nn.Module, DFlashStack):
         return self.run(target_hidden, noise_emb, ctx_pos, block_pos, masks, self._attend)
 
     def _attend(self, q, k, v, mask):
-        return attend(q, k, v, mask, self.backend)
+        return attend(q, k, v, mask, self.backend, self.kernel_options)
 
 
 def score_memory_bytes(cfg: DrafterConfig, batch: int, q_len: int, kv_len: int) -> int:

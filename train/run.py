@@ -105,7 +105,7 @@ def build_run(cfg: TrainConfig, rank: int, world: int, device: torch.device) -> 
     mode = cfg.compile if cfg.compile != "auto" else ("blocks" if cuda else "none")
     backend = attention_backend(cfg.attention, mode, cuda)
     torch.manual_seed(cfg.seed)
-    drafter = DFlashDrafter(dcfg, backend=backend).to(device)
+    drafter = DFlashDrafter(dcfg, backend=backend, kernel_options=cfg.flex_options).to(device)
     if cfg.weights == "bf16" and dtype != torch.bfloat16:
         raise ConfigError("--weights bf16 needs --dtype bf16 (or auto on a GPU)")
     master = MasterWeights(drafter) if cfg.weights == "bf16" or (
