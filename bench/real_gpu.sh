@@ -120,7 +120,12 @@ eval)
     # each group of drafters in one process per prompt set: greedy and prompt lookup decoded once
     # per process for all its drafters
     for group in $GROUPS_; do
-        args=""; for name in ${group//,/ }; do args="$args --drafter /tmp/r/$name/$(cat /tmp/r/$name.used)"; done
+        args=""
+        for name in ${group//,/ }; do
+            d=/tmp/r/$name/$(cat /tmp/r/$name.used)
+            if [ -f $d/model.safetensors ]; then args="$args --drafter $d"; else stamp "$name: no $d to evaluate"; fi
+        done
+        [ -n "$args" ] || continue
         for set in mt-bench humaneval; do
             timeout ${EVAL_S:-300} python3 -m eval.speculative $args --target $T --prompt-set $set \
                 --prompts $PROMPTS --max-new $MAX_NEW --no-progress --json $OUT/eval-${group//,/+}-$set.json \
