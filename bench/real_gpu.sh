@@ -24,18 +24,20 @@
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 DFLASH_TARGET_CACHE=/tmp/targets HF_HUB_OFFLINE=1
 ROWS=${ROWS:-5000}; STEPS=${STEPS:-1200}; ANCHORS=${ANCHORS:-512}; PROMPTS=${PROMPTS:-10}; MAX_NEW=${MAX_NEW:-128}
-START=$(date +%s)
+START=$(date +%s); EVAL_EVERY=${EVAL_EVERY:-200}
+RUNS=${RUNS:-data-3 data-3-argmax regen-1 regen-3 regen-5 regen-3-fp8}
 REGEN_BATCH=${REGEN_BATCH:-512}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/gg /tmp/s /tmp/r /tmp/d /tmp/log
 T=/tmp/gg/SmolLM2-135M-Instruct.Q4_1.gguf
 DATA=.gg/sharegpt-first.jsonl.gz
 stamp() { echo "[$(date +%T)] $*"; }
 
-train_bg() {  # name store [train options...]: a background training that outlives this call
+train_bg() {  # name store [train options...]: a background training that outlives this call (if in RUNS)
     local name=$1 store=$2; shift 2
+    [[ " $RUNS " == *" $name "* ]] || return 0
     setsid nohup bash -c "python3 -m train --store $store --out /tmp/r/$name --gpus 0 --mask-token-id 0 \
-        --seq-len 4096 --max-anchors $ANCHORS --max-steps $STEPS --lr 3e-3 --log-every 50 --eval-every 200 \
-        --save-every 200 --eval-samples 64 --workers 2 --no-progress $* > /tmp/log/train-$name.log 2>&1; \
+        --seq-len 4096 --max-anchors $ANCHORS --max-steps $STEPS --lr 3e-3 --log-every 50 --eval-every $EVAL_EVERY \
+        --save-every $EVAL_EVERY --eval-samples 64 --workers 2 --no-progress $* > /tmp/log/train-$name.log 2>&1; \
         echo \$? > /tmp/r/$name.rc" > /dev/null 2>&1 &
 }
 
@@ -101,7 +103,6 @@ data)
     while [ $(($(date +%s) - START)) -lt ${DATA_S:-540} ]; do sleep 60; stamp "training"; progress; done
     ;;
 eval)
-    RUNS=${RUNS:-data-3 data-3-argmax regen-1 regen-3 regen-5 regen-3-fp8}
     GROUPS_=${GROUPS_:-"data-3,data-3-argmax regen-1,regen-3 regen-5,regen-3-fp8"}
     # the trainings run until WAIT_S; one still running then is stopped and its best/ export
     # (the best held-out offline tau so far) is evaluated instead, and the table says so
@@ -141,12 +142,16 @@ decode)  # the decoder benchmark and the regeneration only (a short lease)
     ROWS=${ROWS:-2000} BENCH_S=${BENCH_S:-130} REGEN_S=${REGEN_S:-100} \
         DECODERS=${DECODERS:-generate:256:256,static:512:2048} DECODE_ONLY=1 bash "$0" data
     ;;
-all)  # data, then eval, in one call of at most ALL_S (570) s, a short lease: smaller sizes, hard limits
+all)  # data, then eval, in one call of at most ALL_S (570) s: smaller sizes, five trainings, hard limits
     start=$(date +%s)
-    ROWS=3000 STEPS=600 PROMPTS=12 REGEN_S=120 DATA_S=0 bash "$0" data
+    # the sizes of a short lease (ALL_ROWS, ALL_STEPS, ALL_PROMPTS override them)
+    export ROWS=${ALL_ROWS:-3000} STEPS=${ALL_STEPS:-400} EVAL_EVERY=100 PROMPTS=${ALL_PROMPTS:-8}
+    export RUNS="data-3 regen-1 regen-3 regen-5 regen-3-fp8" GROUPS_="data-3,regen-3 regen-1,regen-5 regen-3-fp8"
+    REGEN_S=120 DATA_S=0 bash "$0" data
     left=$((${ALL_S:-570} - ($(date +%s) - start)))
-    stamp "eval with ${left}s left"
-    PROMPTS=12 WAIT_S=$((left / 2)) timeout $((left > 30 ? left - 10 : 20)) bash "$0" eval
+    eval_s=${EVAL_S:-200}
+    stamp "eval with ${left}s left: the trainings get $((left - eval_s - 20))s more"
+    WAIT_S=$((left - eval_s - 20)) EVAL_S=$eval_s timeout $((left > 30 ? left - 5 : 20)) bash "$0" eval
     ;;
 *)
     echo "usage: bash bench/real_gpu.sh prep|data|eval"; exit 2 ;;
