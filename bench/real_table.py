@@ -1,0 +1,77 @@
+"""The real-target table (issue 25) from the files `bash bench/real_gpu.sh eval` writes under $OUT:
+`python bench/real_table.py OUT`. One row per drafter: its store and training, the step it reached
+and which export was evaluated, the offline tau, and per prompt set the real tau beside prompt
+lookup's on the same prompts (the drafter / lookup ratio is the number the goals are set in).
+A curve of held-out offline tau against steps follows, per run.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+RUNS = {  # name: (answers, labels, draft layers, store precision)
+    "data-3": ("dataset", "data", 3, "bf16"),
+    "data-3-argmax": ("dataset", "argmax", 3, "bf16"),
+    "regen-1": ("regenerated", "data", 1, "bf16"),
+    "regen-3": ("regenerated", "data", 3, "bf16"),
+    "regen-5": ("regenerated", "data", 5, "bf16"),
+    "regen-3-fp8": ("regenerated", "data", 3, "fp8"),
+}
+SETS = ("mt-bench", "humaneval")
+
+
+def records(out: Path, name: str) -> list[dict]:
+    f = out / f"metrics-{name}.jsonl"
+    return [json.loads(l) for l in f.read_text().splitlines() if l.strip()] if f.is_file() else []
+
+
+def evaluations(out: Path) -> dict:
+    """(run name, set) -> that set's figures, from every eval JSON (one or several drafters each)."""
+    got = {}
+    for f in sorted(out.glob("eval-*.json")):
+        s = json.loads(f.read_text())
+        per = s.get("drafters") or {s.get("drafter", f.stem): s}
+        for path, r in per.items():
+            name = Path(path).parent.name  # /tmp/r/NAME/export or .../best
+            for set_name, fig in r["sets"].items():
+                got[(name, set_name)] = {**fig, "export": Path(path).name}
+    return got
+
+
+def main():
+    out = Path(sys.argv[1])
+    ev = evaluations(out)
+    print("| drafter | answers | labels | draft layers | store | steps | export | offline tau (train window / held-out) | "
+          + " | ".join(f"{s} tau | {s} lookup tau | {s} ratio | {s} speedup (drafter / lookup)" for s in SETS) + " |")
+    print("| --- " * (8 + 4 * len(SETS)) + "|")
+    for name, (answers, labels, layers, prec) in RUNS.items():
+        recs = records(out, name)
+        if not recs and not any(k[0] == name for k in ev):
+            continue
+        last = next((r for r in reversed(recs) if "loss" in r), {})
+        held = [r for r in recs if "eval_tau" in r]
+        offline = f"{last.get('tau', float('nan')):.3f} / " + (f"{held[-1]['eval_tau']:.3f}" if held else "-")
+        cells = []
+        for s in SETS:
+            r = ev.get((name, s))
+            if r is None:
+                cells += ["-"] * 4
+                continue
+            pl = r.get("prompt_lookup", {})
+            cells += [f"{r['tau']:.3f}", f"{pl.get('tau', float('nan')):.3f}",
+                      f"{r['tau'] / max(pl.get('tau', 1e-9), 1e-9):.2f}x",
+                      f"{r['speedup']:.2f}x / {pl.get('speedup', float('nan')):.2f}x"]
+        export = next((ev[(name, s)]["export"] for s in SETS if (name, s) in ev), "-")
+        print(f"| {name} | {answers} | {labels} | {layers} | {prec} | {last.get('step', '-')} | {export} | {offline} | "
+              + " | ".join(cells) + " |")
+    print()
+    for name in RUNS:
+        held = [r for r in records(out, name) if "eval_tau" in r]
+        if held:
+            print(f"{name}: held-out offline tau by step: " + ", ".join(f"{r['step']}: {r['eval_tau']:.3f}" for r in held))
+
+
+if __name__ == "__main__":
+    main()
