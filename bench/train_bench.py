@@ -106,7 +106,7 @@ def check(device):
 @dataclass(frozen=True)
 class Variant:
     """One way of running the step: `mode:loss:weights:chunk[:full][:PRESET]`, e.g.
-    blocks:fused:bf16:4096 or blocks:fused:bf16:2048:safe. loss: fused | checkpointed (the step
+    blocks:fused:bf16:4096 or blocks:fused:bf16:2048:bwd64. loss: fused | checkpointed (the step
     before issue 27); weights: bf16 (float32 masters) | fp32 (autocast over float32 weights, before
     issue 27); `full`: every layer full attention (the peer's layout) instead of the drafter's
     sliding-window layers; PRESET: flex kernel options from FLEX_PRESETS (`--flex-options`)."""
@@ -131,16 +131,15 @@ class Variant:
             (f":{self.flex}" if self.flex else "")
 
 
-# flex_attention kernel options tried on the step (torch's Hopper default for the backward at
-# head dim 128 is blocks 64/128/128/64, 3 stages, 8 warps)
-SAFE = {"ROWS_GUARANTEED_SAFE": True}  # every DFlash query sees at least its own slot
+# flex_attention kernel options to try on the step (torch's Hopper default for the backward at
+# head dim 128 is blocks 64/128/128/64, 3 stages, 8 warps). ROWS_GUARANTEED_SAFE is not among
+# them: on the H100 it made the step's loss NaN (BENCHMARKS.md, issue 27).
 FLEX_PRESETS = {
-    "safe": SAFE,
-    "bwd64": {**SAFE, "bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 64,
+    "bwd64": {"bwd_BLOCK_M1": 64, "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 64,
               "bwd_num_stages": 3, "bwd_num_warps": 4},
-    "bwd32": {**SAFE, "bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 32,
+    "bwd32": {"bwd_BLOCK_M1": 32, "bwd_BLOCK_N1": 128, "bwd_BLOCK_M2": 128, "bwd_BLOCK_N2": 32,
               "bwd_num_stages": 3, "bwd_num_warps": 4},
-    "tma": {**SAFE, "USE_TMA": True},
+    "tma": {"USE_TMA": True},
 }
 
 

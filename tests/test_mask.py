@@ -111,3 +111,30 @@ def test_flex_forward_equals_sdpa_with_dense_mask():
         got = flex_attention(q, k, v, block_mask=bm, enable_gqa=True)
         want = F.scaled_dot_product_attention(q, k, v, attn_mask=dense_mask(mod, B, Q, KV), enable_gqa=True)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_flex_kernel_options_reach_flex_attention(monkeypatch):
+    """--flex-options: the drafter hands the parsed JSON to every flex_attention call (and
+    nothing when none are given)."""
+    import train.attention as att
+    from train.config import DrafterConfig, TrainConfig
+    from train.model import DFlashDrafter
+    from shared.cli import from_args, parser_for
+    seen = []
+
+    def recording_flex(q, k, v, block_mask=None, enable_gqa=False, kernel_options=None):
+        seen.append(kernel_options)
+        return torch.zeros_like(q)
+
+    monkeypatch.setattr(att, "flex_attention", recording_flex)
+    argv = ["--store", "s", "--out", "o", "--flex-options", '{"bwd_BLOCK_M1": 32}']
+    tc = from_args(TrainConfig, parser_for(TrainConfig, "train", None).parse_args(argv))
+    assert tc.flex_options == {"bwd_BLOCK_M1": 32}
+    cfg = DrafterConfig(hidden_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16,
+                        intermediate_size=64, num_hidden_layers=2, vocab_size=64, num_target_layers=2,
+                        target_layer_ids=[0, 1], mask_token_id=1, block_size=4)
+    q, k = torch.randn(1, 2, 8, 16), torch.randn(1, 1, 12, 16)
+    for opts, want in ((tc.flex_options, {"bwd_BLOCK_M1": 32}), ({}, None)):
+        seen.clear()
+        DFlashDrafter(cfg, backend="flex", kernel_options=opts)._attend(q, k, k, None)
+        assert seen == [want]

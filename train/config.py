@@ -228,9 +228,9 @@ class TrainConfig:
         "attention: the flex_attention call only; full: the whole drafter; none; auto = blocks on a "
         "GPU, none on the CPU (small drafters there gain less than the compile costs)")
     attention: Literal["auto", "flex", "sdpa"] = opt("auto", "flex (GPU) or SDPA with the dense mask (CPU)")
-    flex_options: dict = opt(help="flex_attention kernel_options as JSON, e.g. '{\"ROWS_GUARANTEED_SAFE\": true}' "
-                                  "(every DFlash row sees its own block) or the backward's block sizes "
-                                  "(bwd_BLOCK_M1, ...): speed only, BENCHMARKS.md measures them",
+    flex_options: dict = opt(help="flex_attention kernel_options as JSON, e.g. the backward's block sizes "
+                                  "'{\"bwd_BLOCK_M1\": 64, \"bwd_BLOCK_N1\": 64}': meant for speed alone, but "
+                                  "check the loss (ROWS_GUARANTEED_SAFE made it NaN on an H100)",
                              parse=parse_json_object, default_factory=dict)
     dtype: Literal["auto", "bf16", "fp32"] = opt("auto", "autocast dtype: auto = bf16 on GPU, fp32 on CPU")
     weights: Literal["auto", "bf16", "fp32"] = opt(
