@@ -3,7 +3,7 @@ drafter trained on the first sample of a store (the same anchors each run), its 
 accuracies every 25 steps; `--features zero` trains on zeroed target features instead, so a
 curve that does not differ says the features are not used yet.
 
-    python bench/overfit.py STORE [--draft-layers 1] [--steps 500] [--lr 3e-3] [--features real|zero]
+    python bench/overfit.py STORE [--draft-layers 1] [--steps 500] [--lr 3e-3] [--features real|zero] [--init-from-target]
 
 Single process, fp32, SDPA with the dense mask (CPU or GPU); the store's target supplies the
 embedding and LM head (its path must exist here).
@@ -35,6 +35,8 @@ def main():
     ap.add_argument("--anchors", type=int, default=32)
     ap.add_argument("--mask-token-id", type=int, default=0)
     ap.add_argument("--features", choices=("real", "zero"), default="real")
+    ap.add_argument("--init-from-target", action="store_true",
+                    help="start the draft layers from the target's last ones (same shapes; q/k norms at 1)")
     a = ap.parse_args()
     torch.manual_seed(0)
     s = Store(a.store)
@@ -50,8 +52,16 @@ def main():
              "input_ids": x.input_ids[None, :n], "loss_mask": x.loss_mask[None, :n],
              "doc": torch.zeros(1, n, dtype=torch.long), "argmax": x.topk_idx[None, :n, 0]}
     print(f"{a.store} sample 0: {n} tokens, {int(x.loss_mask[:n].sum())} with loss; {a.draft_layers} draft "
-          f"layer(s) on target layers {dc.target_layer_ids}, {a.features} features, lr {a.lr}")
+          f"layer(s) on target layers {dc.target_layer_ids}, {a.features} features, lr {a.lr}"
+          f"{', layers from the target' if a.init_from_target else ''}")
     model = DFlashDrafter(dc)
+    if a.init_from_target:  # an experiment, not a training option: does a language model's layer skip the plateau?
+        from shared.target import load_target
+        layers = load_target(man.target.path, torch.device("cpu"), torch.float32).model.layers
+        for i, layer in enumerate(model.layers):
+            src = layers[len(layers) - len(model.layers) + i].state_dict()
+            missing, unexpected = layer.load_state_dict(src, strict=False)
+            assert not unexpected and all("norm" in k for k in missing), (missing, unexpected)
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr)
     sc = StepConfig.of(model, labels="argmax")
     g = torch.Generator().manual_seed(0)
