@@ -133,6 +133,20 @@ def read_all(store) -> dict:
 
 
 @pytest.fixture(scope="session")
+def long_corpus(tiny, tmp_path_factory):
+    """The tiny corpus 8 times over (72 units), so that two workers or runs started together both
+    get units before the first is done (with 10, one loading faster took them all), and its
+    one-worker store."""
+    from extract.run import run
+    d = tmp_path_factory.mktemp("long")
+    corpus = d / "chat.jsonl"
+    corpus.write_text(tiny["corpus"].read_text() * 8)
+    store = d / "store"
+    run(extract_cfg(tiny, store, data=str(corpus), max_batch=1))
+    return corpus, store
+
+
+@pytest.fixture(scope="session")
 def draft(tiny, tmp_path_factory):
     """A 2-layer drafter on target layers [0, 3] (a subset of the store's [0, 1, 3])."""
     from train.config import DrafterConfig

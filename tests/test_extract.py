@@ -90,12 +90,13 @@ def test_fp8_within_documented_error(tiny, reference, tmp_path):
     assert b.disk_bytes() < a.disk_bytes()
 
 
-def test_two_workers_write_one_store_identically(tiny, reference, tmp_path):
+def test_two_workers_write_one_store_identically(tiny, long_corpus, tmp_path):
+    corpus, reference = long_corpus
     store = tmp_path / "two"
-    run(extract_cfg(tiny, store, max_batch=1, cpu_workers=2))
+    run(extract_cfg(tiny, store, data=str(corpus), max_batch=1, cpu_workers=2))
     done = st.done_units(store)
     assert {m["rank"] for m in done.values()} == {0, 1}  # both workers really wrote
-    ref, got = read_all(reference[0]), read_all(store)
+    ref, got = read_all(reference), read_all(store)
     assert ref.keys() == got.keys()
     for k in ref:
         assert np.array_equal(ref[k], got[k]), k

@@ -62,18 +62,6 @@ def reference(tiny, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def long_corpus(tiny, tmp_path_factory):
-    """The tiny corpus 8 times over (72 units), so that two runs started together both get
-    units before the first is done, and its one-worker store."""
-    d = tmp_path_factory.mktemp("long")
-    corpus = d / "chat.jsonl"
-    corpus.write_text(tiny["corpus"].read_text() * 8)
-    store = d / "store"
-    run(extract_cfg(tiny, store, data=str(corpus), max_batch=1))
-    return corpus, store
-
-
-@pytest.fixture(scope="module")
 def s3_store(tiny, s3):
     url = s3.url("stores/plain")
     run(extract_cfg(tiny, url, max_batch=1))
