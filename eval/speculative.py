@@ -256,7 +256,7 @@ class Dialogues:
                 history.append({"role": "assistant", "content": self.tok.decode(ans)})
 
 
-PROMPT_LOOKUP = object()  # decode_many's key for the baseline: no drafter's name can equal it
+PROMPT_LOOKUP = object()  # decode_many's key for the baseline (with a block size): no drafter's name
 
 
 def resolve_device(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
@@ -275,21 +275,20 @@ def decode_all(target_model, drafter, prompts, max_new: int, eos: int | None, pr
 
 def decode_many(target_model, drafters: dict, prompts, max_new: int, eos: int | None, progress: bool = True,
                 prompt_lookup: bool = True) -> dict:
-    """decode_all for several drafters of one target: each prompt is decoded greedily and with
-    prompt lookup once, then with every drafter, so that N drafters cost N drafter decodings and
-    not N times the baselines too. {name: decode_all's result for that drafter}."""
+    """decode_all for several drafters of one target: each prompt is decoded greedily once and with
+    prompt lookup once per block size, then with every drafter, so that N drafters cost N drafter
+    decodings and not N times the baselines too. {name: decode_all's result for that drafter}."""
     from eval.lookup import prompt_lookup_proposal
     from shared.progress import progress_bar
     plain = Target(target_model, [])
     embed, head = target_model.get_input_embeddings().weight, target_model.lm_head.weight
-    methods, blocks = {}, set()
+    methods = {}
     for name, drafter in drafters.items():
         layer_ids, block, _ = drafter_info(drafter)
         methods[name] = (Target(target_model, layer_ids), drafter_proposal(drafter, embed, head), block)
-        blocks.add(block)
-    if prompt_lookup:  # as many tokens per block as the drafters draft
-        k = max(blocks)
-        methods[PROMPT_LOOKUP] = (plain, prompt_lookup_proposal(k - 1), k)
+    if prompt_lookup:  # as many tokens per block as a drafter drafts: once per block size among them
+        for block in sorted({b for _, _, b in methods.values()}):
+            methods[(PROMPT_LOOKUP, block)] = (plain, prompt_lookup_proposal(block - 1), block)
     runs = {m: {"blocks": [], "seconds": 0.0, "forwards": 0, "tokens": 0, "mismatches": []} for m in methods}
     t_greedy, g_forwards, n = 0.0, 0, 0
     for i, p in enumerate(progress_bar(prompts, total=len(prompts), desc="speculative decoding",
@@ -324,7 +323,7 @@ def decode_many(target_model, drafters: dict, prompts, max_new: int, eos: int | 
         out.update({"prompts": n, "greedy_seconds": round(t_greedy, 3),
                     "greedy_ms_per_token": round(1000 * t_greedy / max(g_forwards, 1), 3)})
         if prompt_lookup:
-            out["prompt_lookup"] = summary(PROMPT_LOOKUP)
+            out["prompt_lookup"] = summary((PROMPT_LOOKUP, methods[name][2]))
             out["mismatches"] = out["mismatches"] + [{"method": "prompt_lookup", **x}
                                                      for x in out["prompt_lookup"]["mismatches"]]
         results[name] = out

@@ -150,14 +150,15 @@ def test_offline_estimate_equals_real_acceptance(tiny, target, tmp_path):
 
 
 def test_several_drafters_share_the_baselines_and_match_one_at_a_time(tiny, target, tmp_path):
-    """decode_many: drafters reading different target layers, decoded beside one another after one
-    greedy and one prompt-lookup decoding per prompt, get the figures each gets alone."""
+    """decode_many: drafters reading different target layers, with different block sizes, decoded
+    beside one another after one greedy decoding per prompt (and one prompt-lookup decoding per
+    block size), get the figures each gets alone."""
     from eval.speculative import decode_all, decode_many
     drafters = {}
-    for name, layers, seed in (("a", [0, 3], 0), ("b", [1, 2, 3], 1)):
+    for name, layers, seed, block in (("a", [0, 3], 0, 4), ("b", [1, 2, 3], 1, 6)):
         cfg = DrafterConfig(hidden_size=64, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
                             intermediate_size=128, num_hidden_layers=1, vocab_size=512, num_target_layers=4,
-                            target_layer_ids=layers, mask_token_id=3, block_size=4)
+                            target_layer_ids=layers, mask_token_id=3, block_size=block)
         torch.manual_seed(seed)
         drafters[name] = exported(DFlashDrafter(cfg).eval(), tmp_path / name)
     ps = prompts(tiny, 2)
