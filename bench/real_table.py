@@ -32,7 +32,7 @@ def evaluations(out: Path) -> dict:
     got = {}
     for f in sorted(out.glob("eval-*.json")):
         s = json.loads(f.read_text())
-        per = s.get("drafters") or {s.get("drafter", f.stem): s}
+        per = s.get("drafters") or {s["drafter"]: s}
         for path, r in per.items():
             name = Path(path).parent.name  # /tmp/r/NAME/export or .../best
             for set_name, fig in r["sets"].items():

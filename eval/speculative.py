@@ -383,16 +383,17 @@ def evaluate_drafter(cfg: SpecConfig, on_set=None) -> dict:
         sets[spec] = Dialogues(spec, tok, cfg.prompts, cfg.max_prompt, cfg.chat_template_kwargs)
     results = {d: {} for d in drafters}  # drafter -> set -> figures
 
-    def one(per_set: dict, complete: bool) -> dict:
+    def one(drafter: str, complete: bool) -> dict:
+        per_set = results[drafter]
         first = next(iter(per_set.values()))
-        return {**first, "sets": dict(per_set), "complete": complete,
+        return {**first, "drafter": drafter, "sets": dict(per_set), "complete": complete,
                 "mismatches": [{"set": k, **m} for k, r in per_set.items() for m in r["mismatches"]],
                 "device": str(dev), "dtype": str(dt).removeprefix("torch.")}
 
     def result(complete: bool) -> dict:
-        out = one(results[cfg.drafter[0]], complete)
+        out = one(cfg.drafter[0], complete)
         if len(drafters) > 1:
-            out["drafters"] = {d: one(results[d], complete) for d in drafters}
+            out["drafters"] = {d: one(d, complete) for d in drafters}
             out["mismatches"] = [{"drafter": d, **m} for d in drafters for m in out["drafters"][d]["mismatches"]]
         return out
 

@@ -79,6 +79,8 @@ def test_llama_target_extracts_trains_and_decodes_exactly(llama, tiny, tmp_path)
                                       target=str(llama), data=str(tiny["corpus"]), prompts=2, max_new=12,
                                       progress=False))
     assert list(two["drafters"]) == [str(tmp_path / "run" / "export"), str(tmp_path / "copy")]
+    assert s["drafter"] == two["drafter"] == str(tmp_path / "run" / "export")  # which export the figures are of
+    assert [r["drafter"] for r in two["drafters"].values()] == list(two["drafters"])
     assert two["drafters"][str(tmp_path / "copy")]["histogram"] == s["sets"]["data"]["histogram"] == two["histogram"]
 
 
