@@ -20,6 +20,7 @@ import torch
 from shared.store import Store
 from shared.target import load_embed_and_head
 from train.config import DrafterConfig
+from train.init import init_from_target
 from train.mask import sample_anchors
 from train.model import DFlashDrafter
 from train.step import StepConfig, forward_loss
@@ -36,7 +37,7 @@ def main():
     ap.add_argument("--mask-token-id", type=int, default=0)
     ap.add_argument("--features", choices=("real", "zero"), default="real")
     ap.add_argument("--init-from-target", action="store_true",
-                    help="start the draft layers from the target's last ones (same shapes; q/k norms at 1)")
+                    help="start the draft layers from the target's last ones, as `train --init-from-target`")
     a = ap.parse_args()
     torch.manual_seed(0)
     s = Store(a.store)
@@ -55,13 +56,8 @@ def main():
           f"layer(s) on target layers {dc.target_layer_ids}, {a.features} features, lr {a.lr}"
           f"{', layers from the target' if a.init_from_target else ''}")
     model = DFlashDrafter(dc)
-    if a.init_from_target:  # an experiment, not a training option: does a language model's layer skip the plateau?
-        from shared.target import load_target
-        layers = load_target(man.target.path, torch.device("cpu"), torch.float32).model.layers
-        for i, layer in enumerate(model.layers):
-            src = layers[len(layers) - len(model.layers) + i].state_dict()
-            missing, unexpected = layer.load_state_dict(src, strict=False)
-            assert not unexpected and all("norm" in k for k in missing), (missing, unexpected)
+    if a.init_from_target:  # what `train --init-from-target` does
+        print(init_from_target(model, man.target.path))
     opt = torch.optim.AdamW(model.parameters(), lr=a.lr)
     sc = StepConfig.of(model, labels="argmax")
     g = torch.Generator().manual_seed(0)

@@ -25,7 +25,7 @@ set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 DFLASH_TARGET_CACHE=/tmp/targets HF_HUB_OFFLINE=1
 ROWS=${ROWS:-5000}; STEPS=${STEPS:-1200}; ANCHORS=${ANCHORS:-512}; PROMPTS=${PROMPTS:-10}; MAX_NEW=${MAX_NEW:-128}
 START=$(date +%s); EVAL_EVERY=${EVAL_EVERY:-200}
-RUNS=${RUNS:-data-3 data-3-argmax regen-1 regen-3 regen-5 regen-3-fp8}
+RUNS=${RUNS:-data-3 data-3-argmax regen-1 regen-3 regen-5 regen-3-fp8 regen-3-init}
 REGEN_BATCH=${REGEN_BATCH:-512}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/gg /tmp/s /tmp/r /tmp/d /tmp/log
 T=/tmp/gg/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -97,13 +97,14 @@ data)
     wait
     for n in 1 3 5; do train_bg regen-$n /tmp/s/regen --draft-layers $n --labels data; done
     train_bg regen-3-fp8 /tmp/s/regen-fp8 --draft-layers 3 --labels data
+    train_bg regen-3-init /tmp/s/regen --draft-layers 3 --labels data --init-from-target
     du -sh /tmp/s/*
     stamp "trainings started"
     # the call holds the machine while the trainings run (an idle machine is given back)
     while [ $(($(date +%s) - START)) -lt ${DATA_S:-540} ]; do sleep 60; stamp "training"; progress; done
     ;;
 eval)
-    GROUPS_=${GROUPS_:-"data-3,data-3-argmax regen-1,regen-3 regen-5,regen-3-fp8"}
+    GROUPS_=${GROUPS_:-"data-3,data-3-argmax regen-1,regen-3 regen-5,regen-3-fp8 regen-3-init"}
     # the trainings run until WAIT_S; one still running then is stopped and its best/ export
     # (the best held-out offline tau so far) is evaluated instead, and the table says so
     while [ $(($(date +%s) - START)) -lt ${WAIT_S:-240} ]; do
@@ -146,7 +147,7 @@ all)  # data, then eval, in one call of at most ALL_S (570) s: smaller sizes, fi
     start=$(date +%s)
     # the sizes of a short lease (ALL_ROWS, ALL_STEPS, ALL_PROMPTS override them)
     export ROWS=${ALL_ROWS:-3000} STEPS=${ALL_STEPS:-400} EVAL_EVERY=100 PROMPTS=${ALL_PROMPTS:-8}
-    export RUNS="data-3 regen-1 regen-3 regen-5 regen-3-fp8" GROUPS_="data-3,regen-3 regen-1,regen-5 regen-3-fp8"
+    export RUNS="data-3 regen-1 regen-3 regen-5 regen-3-fp8 regen-3-init" GROUPS_="data-3,regen-3 regen-1,regen-5 regen-3-fp8,regen-3-init"
     REGEN_S=120 DATA_S=0 bash "$0" data
     left=$((${ALL_S:-570} - ($(date +%s) - start)))
     eval_s=${EVAL_S:-200}

@@ -24,6 +24,8 @@ class Family:
     model_types: tuple[str, ...]
     nested_text_config: bool = False  # config.json holds the decoder under text_config (a multimodal wrapper)
     fla: bool = False                 # Gated DeltaNet layers: FLA's kernels on a GPU, torch's on the CPU
+    norm_offset: float = 0.0          # RMSNorm scales stored as offsets from 1 (the norm multiplies by 1 + w)
+    gated_query: bool = False         # q_proj also emits an output gate: per head, head_dim query rows then head_dim gate rows
 
     def text_config(self, cfg: dict) -> dict:
         """The decoder's config (num_hidden_layers, hidden_size, vocab_size, ...)."""
@@ -36,7 +38,8 @@ class Family:
 
 FAMILIES = (
     # Qwen3.5 / Qwen3.6: Gated DeltaNet + gated full attention, the multimodal wrapper or its text model
-    Family("qwen3.5", ("qwen3_5", "qwen3_5_text"), nested_text_config=True, fla=True),
+    Family("qwen3.5", ("qwen3_5", "qwen3_5_text"), nested_text_config=True, fla=True, norm_offset=1.0,
+           gated_query=True),
     # dense decoders: RoPE attention (full or sliding) + MLP, embeddings unscaled
     Family("dense", ("llama", "mistral", "qwen2", "qwen3")),
 )

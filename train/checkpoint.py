@@ -40,6 +40,9 @@ class Checkpointer:
         for old in sorted(self.dir.glob("step-*.pt"))[:-self.keep]:
             old.unlink()
 
+    def has_latest(self) -> bool:
+        return (self.dir / "latest").exists()
+
     def load_latest(self) -> dict | None:
         p = self.dir / "latest"
         if not p.exists():

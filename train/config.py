@@ -237,6 +237,9 @@ class TrainConfig:
         "auto", "parameters the step runs on: bf16 with float32 masters in the optimizer, or fp32 under "
         "autocast; auto = bf16 when --dtype is bf16")
     seed: int = opt(0, "seed of the init, the shuffles and the anchors")
+    init_from_target: bool = opt(False, "start the draft layers from the target's last attention layers and its "
+                                        "final norm (leaves the unigram plateau sooner on a real target; "
+                                        "train/init.py)")
     workers: int = opt(4, "DataLoader processes per rank")
     prefetch: int = opt(4, "batches prefetched per loader worker")
     log_every: int = opt(10, "steps per metrics record")

@@ -19,6 +19,7 @@ from shared.store import Store, StoreError
 from shared.target import compute_dtype, load_embed_and_head
 from train.checkpoint import Checkpointer
 from train.config import ConfigError, DrafterConfig, TrainConfig
+from train.init import init_from_target
 from train.loader import EpochPlan, RowDataset, RowSpec, StepSchedule, make_loader, pack_rows
 from train.model import DFlashDrafter, attention_backend, compile_drafter, param_count, score_memory_bytes
 from train.precision import MasterWeights
@@ -106,6 +107,8 @@ def build_run(cfg: TrainConfig, rank: int, world: int, device: torch.device) -> 
     backend = attention_backend(cfg.attention, mode, cuda)
     torch.manual_seed(cfg.seed)
     drafter = DFlashDrafter(dcfg, backend=backend, kernel_options=cfg.flex_options).to(device)
+    if cfg.init_from_target and not (cfg.resume and Checkpointer(cfg.out).has_latest()):  # a resume loads its own
+        log(init_from_target(drafter, target))
     if cfg.weights == "bf16" and dtype != torch.bfloat16:
         raise ConfigError("--weights bf16 needs --dtype bf16 (or auto on a GPU)")
     master = MasterWeights(drafter) if cfg.weights == "bf16" or (
