@@ -8,7 +8,7 @@
 #                                  (bench/train_bench.py --variants) in the same call (issue 27)
 #   bash bench/real_gpu.sh data    carry .gg/smol.part01, .gg/smol.part02, .gg/sharegpt-first.jsonl.gz:
 #                                  regeneration (static decoder), extraction of dataset and regenerated
-#                                  answers; six trainings start in the background (setsid) as their
+#                                  answers; seven trainings start in the background (setsid) as their
 #                                  stores are written; the call waits until DATA_S s, printing progress
 #   bash bench/real_gpu.sh eval    waits for the trainings until WAIT_S s (then stops the rest and
 #                                  evaluates their best/ export), evaluates every drafter on MT-Bench
@@ -143,7 +143,7 @@ decode)  # the decoder benchmark and the regeneration only (a short lease)
     ROWS=${ROWS:-2000} BENCH_S=${BENCH_S:-130} REGEN_S=${REGEN_S:-100} \
         DECODERS=${DECODERS:-generate:256:256,static:512:2048} DECODE_ONLY=1 bash "$0" data
     ;;
-all)  # data, then eval, in one call of at most ALL_S (570) s: smaller sizes, five trainings, hard limits
+all)  # data, then eval, in one call of at most ALL_S (570) s: smaller sizes, six trainings, hard limits
     start=$(date +%s)
     # the sizes of a short lease (ALL_ROWS, ALL_STEPS, ALL_PROMPTS override them)
     export ROWS=${ALL_ROWS:-3000} STEPS=${ALL_STEPS:-400} EVAL_EVERY=100 PROMPTS=${ALL_PROMPTS:-8}

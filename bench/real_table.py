@@ -11,13 +11,14 @@ import json
 import sys
 from pathlib import Path
 
-RUNS = {  # name: (answers, labels, draft layers, store precision)
+RUNS = {  # name: (answers, labels, draft layers, store precision); "+init": --init-from-target
     "data-3": ("dataset", "data", 3, "bf16"),
     "data-3-argmax": ("dataset", "argmax", 3, "bf16"),
     "regen-1": ("regenerated", "data", 1, "bf16"),
     "regen-3": ("regenerated", "data", 3, "bf16"),
     "regen-5": ("regenerated", "data", 5, "bf16"),
     "regen-3-fp8": ("regenerated", "data", 3, "fp8"),
+    "regen-3-init": ("regenerated", "data", "3 +init", "bf16"),
 }
 SETS = ("mt-bench", "humaneval")
 
