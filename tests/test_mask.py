@@ -138,3 +138,37 @@ def test_flex_kernel_options_reach_flex_attention(monkeypatch):
         seen.clear()
         DFlashDrafter(cfg, backend="flex", kernel_options=opts)._attend(q, k, k, None)
         assert seen == [want]
+
+
+def test_compiled_block_mask_equals_eager_and_compiles_once():
+    """On a GPU the BlockMask is built compiled (train.mask.block_mask): the same blocks as the
+    eager build, block by block against the dense mask, and a second batch of the same shapes
+    (other anchors and documents) reuses the compiled graph."""
+    import torch._dynamo
+
+    from train.mask import block_mask
+    g = torch.Generator().manual_seed(0)
+    block, A, S, B = 4, 80, 300, 2
+    Q, KV = A * block, S + A * block
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    for second in (False, True):
+        doc = torch.cat([torch.zeros(B, 170, dtype=torch.long), torch.ones(B, S - 170, dtype=torch.long)], 1)
+        doc[1, 120 + 40 * second:] = -1  # padding at the end of row 1
+        anchors = torch.stack([sample_anchors((doc[b] >= 0).long(), doc[b], A, g)[0] for b in range(B)])
+        valid = torch.ones(B, A, dtype=torch.bool)
+        valid[1, -5:] = False
+        mod = make_mask_mod(anchors, valid, doc, block, window=64, causal=True)
+        with torch._dynamo.config.patch(error_on_recompile=second):
+            got = block_mask(mod, B, Q, KV, "cpu", compile=True)
+        want = block_mask(mod, B, Q, KV, "cpu", compile=False)
+        assert torch.equal(got.to_dense(), want.to_dense())
+        for name in ("kv_num_blocks", "full_kv_num_blocks", "q_num_blocks", "full_q_num_blocks"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), name
+        # a block is listed where the dense mask has any pair, and full where it has every pair
+        dense = dense_mask(mod, B, Q, KV)[:, 0].float()
+        pad = (-KV) % 128
+        tiles = torch.nn.functional.pad(dense, (0, pad, 0, (-Q) % 128)).unflatten(1, (-1, 128)).unflatten(3, (-1, 128))
+        any_ = tiles.amax((2, 4)) > 0
+        assert torch.equal(got.to_dense()[:, 0].bool(), any_)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1  # compiled, and once

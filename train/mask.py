@@ -18,6 +18,8 @@ empty (SDPA would return NaN for an all-masked row); they carry no loss.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 
@@ -54,10 +56,12 @@ def make_mask_mod(anchors: torch.Tensor, valid: torch.Tensor, doc: torch.Tensor,
         kv_ctx = kv.clamp(max=S - 1)
         a_ctx = a.clamp(max=S - 1)
         in_ctx = kv < S
-        slot = (kv - S).clamp(min=0)
-        kv_block, kv_k = slot // block, slot % block
+        # block slots: kv_k = the key's slot in query block j's own slots (in [0, block) there).
+        # Written without dividing kv (a clamp then // or % of kv broke inductor's CPU build of
+        # the compiled block mask), and cheaper per element.
+        kv_k = kv - S - j * block
         ctx_ok = (kv_ctx < a) & (doc[b, kv_ctx] == doc[b, a_ctx]) & valid[b, j]
-        block_ok = kv_block == j
+        block_ok = (kv_k >= 0) & (kv_k < block)
         if causal:
             block_ok = block_ok & (kv_k <= k)
         if window is not None:
@@ -78,6 +82,23 @@ def dense_mask(mask_mod, B: int, Q: int, KV: int, device=None) -> torch.Tensor:
     return mask_mod(b, zero, q, kv)[:, None]
 
 
-def block_mask(mask_mod, B: int, Q: int, KV: int, device):
+# Build flex's BlockMask with torch.compile on a GPU? Eager create_block_mask evaluates the
+# mask_mod densely, (B, Q, KV) int64 intermediates (1 GiB each at Q 8,192, KV 16,384) for every
+# layer kind every step; compiled, it fuses them. Off until measured on a GPU: the bench's `cmask`
+# variant turns it on (bench/train_bench.py); the CPU test checks the compiled blocks are the same.
+COMPILE_ON_GPU = False
+
+
+def block_mask(mask_mod, B: int, Q: int, KV: int, device, compile: bool | None = None):
+    """flex_attention's BlockMask from mask_mod; compile: None = on a GPU (COMPILE_ON_GPU)."""
     from torch.nn.attention.flex_attention import create_block_mask
-    return create_block_mask(mask_mod, B, None, Q, KV, device=device)
+    if compile is None:
+        compile = COMPILE_ON_GPU and torch.device(device).type == "cuda"
+    fn = _compiled_create_block_mask() if compile else create_block_mask
+    return fn(mask_mod, B, None, Q, KV, device=device)
+
+
+@functools.cache
+def _compiled_create_block_mask():
+    from torch.nn.attention.flex_attention import create_block_mask
+    return torch.compile(create_block_mask, dynamic=False)
