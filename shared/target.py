@@ -199,7 +199,8 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
 # --- embed / lm_head only -------------------------------------------------------------------
 
-def _tensor_index(path: Path) -> dict[str, Path]:
+def tensor_index(path: Path) -> dict[str, Path]:
+    """{tensor name: the safetensors file holding it} of a checkpoint folder."""
     idx = path / "model.safetensors.index.json"
     if idx.exists():
         return {k: path / v for k, v in json.loads(idx.read_text())["weight_map"].items()}
@@ -240,7 +241,7 @@ def load_embed_and_head(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
     from safetensors import safe_open
     path = target_dir(path)
     cfg = read_config(path)
-    index = _tensor_index(path)
+    index = tensor_index(path)
 
     def find(suffix: str) -> str | None:
         hits = [k for k in index if k.endswith(suffix) and "visual" not in k and "mtp" not in k]

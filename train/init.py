@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from shared.families import family_of
-from shared.target import _tensor_index, read_config, target_dir
+from shared.target import read_config, target_dir, tensor_index
 from train.config import ConfigError
 
 _LAYER_KEY = re.compile(r"^(?:.*\.)?layers\.(\d+)\.(.+)$")
@@ -50,7 +50,7 @@ def init_from_target(drafter: nn.Module, target: str | Path) -> str:
     line to log."""
     path = target_dir(target)
     fam = family_of(read_config(path)["model_type"])
-    index = _tensor_index(path)
+    index = tensor_index(path)
     layers, final_norm = _decoder_tensors(index)
     attn = [i for i in sorted(layers) if "self_attn.q_proj.weight" in layers[i] and "mlp.down_proj.weight" in layers[i]]
     n = len(drafter.layers)
