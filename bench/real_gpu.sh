@@ -31,6 +31,10 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/gg /tmp/s /tmp/r /tmp/d /tmp/log
 T=/tmp/gg/SmolLM2-135M-Instruct.Q4_1.gguf
 DATA=.gg/sharegpt-first.jsonl.gz
 stamp() { echo "[$(date +%T)] $*"; }
+bundle() {  # the device tool brings back at most 8 files: the small ones in one archive, results.tgz
+    local files; files=$(cd $OUT && ls eval-*.json metrics-*.jsonl used-*.txt store-sizes.txt regen-part-*.jsonl 2>/dev/null)
+    [ -n "$files" ] && (cd $OUT && tar czf results.tgz --remove-files $files) && stamp "results in results.tgz"
+}
 
 train_bg() {  # name store [train options...]: a background training that outlives this call (if in RUNS)
     local name=$1 store=$2; shift 2
@@ -138,6 +142,7 @@ eval)
     stamp "evaluated"
     grep -h "drafter\|tau\|lookup" /tmp/log/eval-*.log | grep -v Loading
     du -s --block-size=1 /tmp/s/* > $OUT/store-sizes.txt
+    bundle
     ;;
 decode)  # the decoder benchmark and the regeneration only (a short lease)
     ROWS=${ROWS:-2000} BENCH_S=${BENCH_S:-130} REGEN_S=${REGEN_S:-100} \
@@ -153,6 +158,7 @@ all)  # data, then eval, in one call of at most ALL_S (570) s: smaller sizes, si
     eval_s=${EVAL_S:-200}
     stamp "eval with ${left}s left: the trainings get $((left - eval_s - 20))s more"
     WAIT_S=$((left - eval_s - 20)) EVAL_S=$eval_s timeout $((left > 30 ? left - 5 : 20)) bash "$0" eval
+    bundle  # also when the eval was cut off (what it wrote so far)
     ;;
 *)
     echo "usage: bash bench/real_gpu.sh prep|data|eval"; exit 2 ;;

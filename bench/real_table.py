@@ -1,5 +1,5 @@
 """The real-target table (issue 25) from the files `bash bench/real_gpu.sh eval` writes under $OUT:
-`python bench/real_table.py OUT`. One row per drafter: its store and training, the step it reached
+`python bench/real_table.py OUT` (the folder, or its results.tgz). One row per drafter: its store and training, the step it reached
 and which export was evaluated, the offline tau, and per prompt set the real tau beside prompt
 lookup's on the same prompts (the drafter / lookup ratio is the number the goals are set in).
 A curve of held-out offline tau against steps follows, per run.
@@ -43,6 +43,13 @@ def evaluations(out: Path) -> dict:
 
 def main():
     out = Path(sys.argv[1])
+    if out.is_file():  # results.tgz, as real_gpu.sh bundles them for the device tool
+        import tarfile
+        import tempfile
+        tmp = Path(tempfile.mkdtemp())
+        with tarfile.open(out) as t:
+            t.extractall(tmp, filter="data")
+        out = tmp
     ev = evaluations(out)
     print("| drafter | answers | labels | draft layers | store | steps | export | offline tau (train window / held-out) | "
           + " | ".join(f"{s} tau | {s} lookup tau | {s} ratio | {s} speedup (drafter / lookup)" for s in SETS) + " |")
