@@ -68,7 +68,9 @@ def main():
                 cells += ["-"] * 4
                 continue
             pl = r.get("prompt_lookup", {})
-            cells += [f"{r['tau']:.3f}", f"{pl.get('tau', float('nan')):.3f}",
+            cut = r.get("prompts_asked", r["prompts"]) > r["prompts"]  # an evaluation cut off mid-set
+            cells += [f"{r['tau']:.3f}" + (f" ({r['prompts']} of {r['prompts_asked']} prompts)" if cut else ""),
+                      f"{pl.get('tau', float('nan')):.3f}",
                       f"{r['tau'] / max(pl.get('tau', 1e-9), 1e-9):.2f}x",
                       f"{r['speedup']:.2f}x / {pl.get('speedup', float('nan')):.2f}x"]
         export = next((ev[(name, s)]["export"] for s in SETS if (name, s) in ev), "-")

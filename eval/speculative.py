@@ -274,10 +274,11 @@ def decode_all(target_model, drafter, prompts, max_new: int, eos: int | None, pr
 
 
 def decode_many(target_model, drafters: dict, prompts, max_new: int, eos: int | None, progress: bool = True,
-                prompt_lookup: bool = True) -> dict:
+                prompt_lookup: bool = True, on_prompt=None) -> dict:
     """decode_all for several drafters of one target: each prompt is decoded greedily once and with
     prompt lookup once per block size, then with every drafter, so that N drafters cost N drafter
-    decodings and not N times the baselines too. {name: decode_all's result for that drafter}."""
+    decodings and not N times the baselines too. {name: decode_all's result for that drafter}.
+    on_prompt(the same for the prompts done so far) after each prompt but the last."""
     from eval.lookup import prompt_lookup_proposal
     from shared.progress import progress_bar
     plain = Target(target_model, [])
@@ -291,6 +292,28 @@ def decode_many(target_model, drafters: dict, prompts, max_new: int, eos: int | 
             methods[(PROMPT_LOOKUP, block)] = (plain, prompt_lookup_proposal(block - 1), block)
     runs = {m: {"blocks": [], "seconds": 0.0, "forwards": 0, "tokens": 0, "mismatches": []} for m in methods}
     t_greedy, g_forwards, n = 0.0, 0, 0
+
+    def summary(m):
+        r = runs[m]
+        out = acceptance_summary(r["blocks"], methods[m][2])
+        out.update({"new_tokens": r["tokens"], "tokens_per_target_forward": r["tokens"] / max(r["forwards"], 1),
+                    "speculative_seconds": round(r["seconds"], 3), "speedup": t_greedy / max(r["seconds"], 1e-9),
+                    "mismatches": r["mismatches"]})
+        return out
+
+    def collect() -> dict:
+        results = {}
+        for name in drafters:
+            out = summary(name)
+            out.update({"prompts": n, "prompts_asked": len(prompts), "greedy_seconds": round(t_greedy, 3),
+                        "greedy_ms_per_token": round(1000 * t_greedy / max(g_forwards, 1), 3)})
+            if prompt_lookup:
+                out["prompt_lookup"] = summary((PROMPT_LOOKUP, methods[name][2]))
+                out["mismatches"] = out["mismatches"] + [{"method": "prompt_lookup", **x}
+                                                         for x in out["prompt_lookup"]["mismatches"]]
+            results[name] = out
+        return results
+
     for i, p in enumerate(progress_bar(prompts, total=len(prompts), desc="speculative decoding",
                                        disable=not progress)):
         g = greedy(plain, list(p), max_new, eos)
@@ -308,26 +331,9 @@ def decode_many(target_model, drafters: dict, prompts, max_new: int, eos: int | 
             r["seconds"] += s.seconds
             r["forwards"] += s.forwards
             r["tokens"] += len(s.tokens)
-
-    def summary(m):
-        r = runs[m]
-        out = acceptance_summary(r["blocks"], methods[m][2])
-        out.update({"new_tokens": r["tokens"], "tokens_per_target_forward": r["tokens"] / max(r["forwards"], 1),
-                    "speculative_seconds": round(r["seconds"], 3), "speedup": t_greedy / max(r["seconds"], 1e-9),
-                    "mismatches": r["mismatches"]})
-        return out
-
-    results = {}
-    for name in drafters:
-        out = summary(name)
-        out.update({"prompts": n, "greedy_seconds": round(t_greedy, 3),
-                    "greedy_ms_per_token": round(1000 * t_greedy / max(g_forwards, 1), 3)})
-        if prompt_lookup:
-            out["prompt_lookup"] = summary((PROMPT_LOOKUP, methods[name][2]))
-            out["mismatches"] = out["mismatches"] + [{"method": "prompt_lookup", **x}
-                                                     for x in out["prompt_lookup"]["mismatches"]]
-        results[name] = out
-    return results
+        if on_prompt is not None and n < len(prompts):
+            on_prompt(collect())
+    return collect()
 
 
 def check_drafter_target(drafter: str, target: str, allow: bool):
@@ -352,13 +358,15 @@ def check_drafter_target(drafter: str, target: str, allow: bool):
                          f"differs from TARGET {target}'s {got}; --allow-other-target evaluates anyway")
 
 
-def evaluate_drafter(cfg: SpecConfig, on_set=None) -> dict:
+def evaluate_drafter(cfg: SpecConfig, on_progress=None) -> dict:
     """Decode the prompts of cfg.data (its last cfg.prompts rows) and of each prompt set (their
     first cfg.prompts rows) greedily, with the drafter and with prompt lookup: tau, speedup,
     exactness per set. The first set's figures are also the result's own keys. Several drafters
     of one target (--drafter repeated) share the baselines' decodings; the first one's result is
-    the top level, and "drafters" holds each one's. on_set(result so far) after each set: a long
-    evaluation cut off keeps the sets it finished."""
+    the top level, and "drafters" holds each one's. on_progress(result so far) after each prompt
+    but the last: a long evaluation cut off keeps the sets it finished and the prompts it finished
+    of the set it was in (each set's `prompts` of `prompts_asked`; `complete` false).
+    """
     from shared.target import end_of_turn, load_target, load_tokenizer
     if not cfg.data and not cfg.prompt_set:
         raise ValueError("give --data and/or --prompt-set (mt-bench, humaneval, or a DATA file)")
@@ -397,11 +405,20 @@ def evaluate_drafter(cfg: SpecConfig, on_set=None) -> dict:
             out["mismatches"] = [{"drafter": d, **m} for d in drafters for m in out["drafters"][d]["mismatches"]]
         return out
 
-    for name, prompts in sets.items():
-        for d, r in decode_many(model, drafters, prompts, cfg.max_new, eos, cfg.progress, cfg.prompt_lookup).items():
+    def progress(name: str):
+        def done_so_far(partial: dict):
+            for d, r in partial.items():
+                results[d][name] = r
+            on_progress(result(False))
+        return done_so_far if on_progress is not None else None
+
+    for i, (name, prompts) in enumerate(sets.items()):
+        final = decode_many(model, drafters, prompts, cfg.max_new, eos, cfg.progress, cfg.prompt_lookup,
+                            on_prompt=progress(name))
+        for d, r in final.items():
             results[d][name] = r
-        if on_set is not None and len(results[cfg.drafter[0]]) < len(sets):
-            on_set(result(False))
+        if on_progress is not None and i + 1 < len(sets):
+            on_progress(result(False))
     return result(True)
 
 
@@ -427,12 +444,12 @@ def main(argv=None) -> int:
     except SystemExit as e:  # argparse has printed why
         return int(e.code or 0)
 
-    def partial(r: dict):  # the sets finished so far, in case the rest never finishes
+    def partial(r: dict):  # the prompts finished so far, in case the rest never finishes
         if cfg.json:
             atomic_write_text(Path(cfg.json), json.dumps(r, indent=2))
 
     try:
-        s = evaluate_drafter(cfg, on_set=partial)
+        s = evaluate_drafter(cfg, on_progress=partial)
     except (ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -4,6 +4,7 @@ evaluation, and the prompt-lookup baseline."""
 
 from __future__ import annotations
 
+import copy
 import gzip
 import json
 from pathlib import Path
@@ -67,10 +68,16 @@ def test_llama_target_extracts_trains_and_decodes_exactly(llama, tiny, tmp_path)
     partial = []
     s = evaluate_drafter(SpecConfig(drafter=str(tmp_path / "run" / "export"), target=str(llama),
                                     data=str(tiny["corpus"]), prompt_set=[str(tiny["corpus"])], prompts=2,
-                                    max_new=12, progress=False), on_set=partial.append)
+                                    max_new=12, progress=False),
+                         on_progress=lambda r: partial.append(copy.deepcopy(r)))
     assert not s["mismatches"] and s["prompt_lookup"]["blocks"] > 0
-    # the first set's result is handed over before the second set runs (kept if that never ends)
-    assert [(list(p["sets"]), p["complete"]) for p in partial] == [(["data"], False)]
+    # handed over after each prompt but the last (kept if the rest never ends): the first set
+    # after its first prompt, after its second, then the second set after its first prompt
+    assert [({k: (v["prompts"], v["prompts_asked"]) for k, v in p["sets"].items()}, p["complete"])
+            for p in partial] == [({"data": (1, 2)}, False), ({"data": (2, 2)}, False),
+                                  ({"data": (2, 2), str(tiny["corpus"]): (1, 2)}, False)]
+    assert partial[1]["sets"]["data"] == s["sets"]["data"]  # the set as finished, before the next one ran
+    assert partial[0]["sets"]["data"]["new_tokens"] < s["sets"]["data"]["new_tokens"]
     assert list(s["sets"]) == ["data", str(tiny["corpus"])] and s["complete"]
     # a second drafter (the same export under another name) beside it: each its own result
     import shutil
