@@ -8,7 +8,7 @@
 #                                  (bench/train_bench.py --variants) in the same call (issue 27)
 #   bash bench/real_gpu.sh data    carry .gg/smol.part01, .gg/smol.part02, .gg/sharegpt-first.jsonl.gz:
 #                                  regeneration (static decoder), extraction of dataset and regenerated
-#                                  answers; seven trainings start in the background (setsid) as their
+#                                  answers; eight trainings start in the background (setsid) as their
 #                                  stores are written; the call waits until DATA_S s, printing progress
 #   bash bench/real_gpu.sh eval    waits for the trainings until WAIT_S s (then stops the rest and
 #                                  evaluates their best/ export), evaluates every drafter on MT-Bench
@@ -25,7 +25,7 @@ set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 DFLASH_TARGET_CACHE=/tmp/targets HF_HUB_OFFLINE=1
 ROWS=${ROWS:-5000}; STEPS=${STEPS:-1200}; ANCHORS=${ANCHORS:-512}; PROMPTS=${PROMPTS:-10}; MAX_NEW=${MAX_NEW:-128}
 START=$(date +%s); EVAL_EVERY=${EVAL_EVERY:-200}
-RUNS=${RUNS:-data-3 data-3-argmax regen-1 regen-3 regen-5 regen-3-fp8 regen-3-init}
+RUNS=${RUNS:-data-3 data-3-argmax regen-1 regen-3 regen-5 regen-3-fp8 regen-3-init regen-3-distill}
 REGEN_BATCH=${REGEN_BATCH:-512}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/gg /tmp/s /tmp/r /tmp/d /tmp/log
 T=/tmp/gg/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -102,13 +102,14 @@ data)
     for n in 1 3 5; do train_bg regen-$n /tmp/s/regen --draft-layers $n --labels data; done
     train_bg regen-3-fp8 /tmp/s/regen-fp8 --draft-layers 3 --labels data
     train_bg regen-3-init /tmp/s/regen --draft-layers 3 --labels data --init-from-target
+    train_bg regen-3-distill /tmp/s/regen --draft-layers 3 --labels distill
     du -sh /tmp/s/*
     stamp "trainings started"
     # the call holds the machine while the trainings run (an idle machine is given back)
     while [ $(($(date +%s) - START)) -lt ${DATA_S:-540} ]; do sleep 60; stamp "training"; progress; done
     ;;
 eval)
-    GROUPS_=${GROUPS_:-"data-3,data-3-argmax regen-1,regen-3 regen-5,regen-3-fp8 regen-3-init"}
+    GROUPS_=${GROUPS_:-"data-3,data-3-argmax regen-1,regen-3 regen-5,regen-3-fp8 regen-3-init,regen-3-distill"}
     # the trainings run until WAIT_S; one still running then is stopped and its best/ export
     # (the best held-out offline tau so far) is evaluated instead, and the table says so
     while [ $(($(date +%s) - START)) -lt ${WAIT_S:-240} ]; do

@@ -19,6 +19,7 @@ RUNS = {  # name: (answers, labels, draft layers, store precision); "+init": --i
     "regen-5": ("regenerated", "data", 5, "bf16"),
     "regen-3-fp8": ("regenerated", "data", 3, "fp8"),
     "regen-3-init": ("regenerated", "data", "3 +init", "bf16"),
+    "regen-3-distill": ("regenerated", "distill", 3, "bf16"),
 }
 SETS = ("mt-bench", "humaneval")
 
