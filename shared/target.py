@@ -212,6 +212,18 @@ def tensor_index(path: Path) -> dict[str, Path]:
     return out
 
 
+def text_decoder_tensor(name: str) -> bool:
+    """A tensor of the text model, not of a vision tower or a multi-token-prediction head."""
+    return "visual" not in name and "mtp" not in name
+
+
+def find_tensor(index: dict[str, Path], suffix: str) -> str | None:
+    """The shortest text-model tensor name ending in suffix (the top-level one, e.g.
+    model.norm.weight and not model.layers.3.linear_attn.norm.weight)."""
+    hits = [k for k in index if k.endswith(suffix) and text_decoder_tensor(k)]
+    return min(hits, key=len) if hits else None
+
+
 def tensors_fingerprint(embed: torch.Tensor, head: torch.Tensor) -> str:
     """sha256 over every byte of the tensors training uses from the target (embed_tokens and
     lm_head, as stored): small next to the features, and the one thing a drafter must share
@@ -242,12 +254,7 @@ def load_embed_and_head(path: str | Path) -> tuple[torch.Tensor, torch.Tensor]:
     path = target_dir(path)
     cfg = read_config(path)
     index = tensor_index(path)
-
-    def find(suffix: str) -> str | None:
-        hits = [k for k in index if k.endswith(suffix) and "visual" not in k and "mtp" not in k]
-        return min(hits, key=len) if hits else None
-
-    emb_key, head_key = find("embed_tokens.weight"), find("lm_head.weight")
+    emb_key, head_key = find_tensor(index, "embed_tokens.weight"), find_tensor(index, "lm_head.weight")
     if emb_key is None:
         raise TargetError(f"TARGET {path}: no embed_tokens.weight tensor in its safetensors")
     if head_key is None and not cfg["tie_word_embeddings"]:

@@ -141,9 +141,9 @@ def test_flex_kernel_options_reach_flex_attention(monkeypatch):
 
 
 def test_compiled_block_mask_equals_eager_and_compiles_once():
-    """On a GPU the BlockMask is built compiled (train.mask.block_mask): the same blocks as the
-    eager build, block by block against the dense mask, and a second batch of the same shapes
-    (other anchors and documents) reuses the compiled graph."""
+    """block_mask(compile=True) (the GPU path behind train.mask.COMPILE_ON_GPU): the same blocks as
+    the eager build, its listed blocks where the dense mask has a pair, and a second batch of the
+    same shapes (other anchors and documents) reuses the compiled graph."""
     import torch._dynamo
 
     from train.mask import block_mask
@@ -165,7 +165,7 @@ def test_compiled_block_mask_equals_eager_and_compiles_once():
         assert torch.equal(got.to_dense(), want.to_dense())
         for name in ("kv_num_blocks", "full_kv_num_blocks", "q_num_blocks", "full_q_num_blocks"):
             assert torch.equal(getattr(got, name), getattr(want, name)), name
-        # a block is listed where the dense mask has any pair, and full where it has every pair
+        # a block is listed where the dense mask has any pair (full blocks: equal to eager's, above)
         dense = dense_mask(mod, B, Q, KV)[:, 0].float()
         pad = (-KV) % 128
         tiles = torch.nn.functional.pad(dense, (0, pad, 0, (-Q) % 128)).unflatten(1, (-1, 128)).unflatten(3, (-1, 128))

@@ -24,25 +24,19 @@ import torch
 from torch import nn
 
 from shared.families import family_of
-from shared.target import read_config, target_dir, tensor_index
+from shared.target import find_tensor, read_config, target_dir, tensor_index, text_decoder_tensor
 from train.config import ConfigError
 
 _LAYER_KEY = re.compile(r"^(?:.*\.)?layers\.(\d+)\.(.+)$")
 
 
-def _decoder_tensors(index: dict[str, Path]) -> tuple[dict[int, dict[str, str]], str | None]:
-    """{layer: {name inside the layer: key}} of the text decoder, and its final norm's key."""
+def _decoder_layers(index: dict[str, Path]) -> dict[int, dict[str, str]]:
+    """{layer: {name inside the layer: tensor name}} of the text decoder."""
     layers: dict[int, dict[str, str]] = {}
-    final = []
-    for key in index:
-        if "visual" in key or "mtp" in key:
-            continue
-        m = _LAYER_KEY.match(key)
-        if m:
+    for key in filter(text_decoder_tensor, index):
+        if m := _LAYER_KEY.match(key):
             layers.setdefault(int(m.group(1)), {})[m.group(2)] = key
-        elif key.endswith("model.norm.weight") or key.endswith("language_model.norm.weight"):
-            final.append(key)
-    return layers, min(final, key=len) if final else None
+    return layers
 
 
 def init_from_target(drafter: nn.Module, target: str | Path) -> str:
@@ -51,7 +45,8 @@ def init_from_target(drafter: nn.Module, target: str | Path) -> str:
     path = target_dir(target)
     fam = family_of(read_config(path)["model_type"])
     index = tensor_index(path)
-    layers, final_norm = _decoder_tensors(index)
+    layers = _decoder_layers(index)
+    final_norm = find_tensor(index, "model.norm.weight")  # also model.language_model.norm.weight
     attn = [i for i in sorted(layers) if "self_attn.q_proj.weight" in layers[i] and "mlp.down_proj.weight" in layers[i]]
     n = len(drafter.layers)
     if len(attn) < n:
