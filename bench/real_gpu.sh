@@ -155,7 +155,9 @@ all)  # data, then eval, in one call of at most ALL_S (570) s: smaller sizes, si
     # (2026-12-07, H100: six runs of 500 steps took 3-5 minutes; MT-Bench's 8 dialogues did not end in
     # 170 s, and eval.speculative now writes its JSON after every prompt, so a cut-off set keeps them)
     export ROWS=${ALL_ROWS:-2000} STEPS=${ALL_STEPS:-800} EVAL_EVERY=100 PROMPTS=${ALL_PROMPTS:-8}
-    export RUNS="data-3 regen-1 regen-3 regen-5 regen-3-fp8 regen-3-init" GROUPS_="data-3,regen-3 regen-1,regen-5 regen-3-fp8,regen-3-init"
+    # ALL_RUNS / ALL_GROUPS: fewer runs for more steps each (one group = one evaluation process per set)
+    export RUNS=${ALL_RUNS:-"data-3 regen-1 regen-3 regen-5 regen-3-fp8 regen-3-init"}
+    export GROUPS_=${ALL_GROUPS:-"data-3,regen-3 regen-1,regen-5 regen-3-fp8,regen-3-init"}
     REGEN_S=120 DATA_S=0 bash "$0" data
     left=$((${ALL_S:-570} - ($(date +%s) - start)))
     eval_s=${EVAL_S:-200}

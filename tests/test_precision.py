@@ -109,3 +109,45 @@ def test_two_ranks_with_bf16_weights_equal_one_rank_with_accumulation(store, dra
         assert p1[k].dtype == p2[k].dtype == torch.float32
         off = ((p1[k] - p2[k]).abs() > 1.5e-3).float().mean()  # half of one Adam step of lr 3e-3
         assert off < 0.02, (k, float(off))
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_clip_inside_fused_adamw_equals_clip_grad_norm(monkeypatch, bf16):
+    """The fused AdamW (the GPU's) takes the clip as its grad_scale: the same update as
+    clip_grad_norm_ then the step, to float32 rounding; a non-finite gradient changes neither the
+    weights nor the optimizer's state, and the step says so."""
+    import train.step as step_mod
+    H, V = 32, 64
+    dcfg = DrafterConfig(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=64,
+                         num_hidden_layers=2, vocab_size=V, num_target_layers=4, target_layer_ids=[0, 2],
+                         mask_token_id=V - 1, block_size=4)
+    torch.manual_seed(0)
+    embed, head = (torch.randn(V, H) * 0.5).bfloat16(), (torch.randn(V, H) * 0.5).bfloat16()
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16)
+    base = DFlashDrafter(dcfg)
+    runs = {}
+    for fused_clip in (False, True):
+        monkeypatch.setattr(step_mod, "FUSED_CLIP", fused_clip)
+        model = copy.deepcopy(base)
+        master = MasterWeights(model) if bf16 else None
+        opt = torch.optim.AdamW(master.masters if bf16 else model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+        assert step_mod.clips_in_optimizer(opt) == fused_clip
+        sc = StepConfig.of(model, loss_chunk=16, grad_clip=0.05)  # small: every step clips
+        norms = [float(train_step(model, opt, None, embed, head, [tiny_batch(48, 6, 2, H, V, s)], sc, autocast,
+                                  master)["grad_norm"]) for s in (1, 2, 3)]
+        assert all(n > 0.05 for n in norms)
+        weights = {n: p.detach().clone() for n, p in (master.state_dict() if bf16 else model.state_dict()).items()}
+        state = copy.deepcopy(opt.state_dict()["state"])
+        bad = tiny_batch(48, 6, 2, H, V, 4)
+        bad["hidden"][0, 5] = float("nan")
+        r = train_step(model, opt, None, embed, head, [bad], sc, autocast, master)
+        assert not r["finite"]
+        after = master.state_dict() if bf16 else model.state_dict()
+        assert all(torch.equal(after[n], w) for n, w in weights.items())
+        for k, st in opt.state_dict()["state"].items():
+            assert all(torch.equal(st[f], state[k][f]) for f in st), k
+        runs[fused_clip] = (norms, weights)
+    (n0, w0), (n1, w1) = runs[False], runs[True]
+    assert n0 == pytest.approx(n1, rel=1e-5)
+    for n in w0:
+        torch.testing.assert_close(w1[n], w0[n], rtol=1e-5, atol=1e-6)

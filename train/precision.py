@@ -38,8 +38,7 @@ class MasterWeights:
     @torch.no_grad()
     def push(self):
         """The updated masters into the model's bf16 parameters."""
-        for p, m in zip(self.params, self.masters):
-            p.copy_(m)
+        torch._foreach_copy_(self.params, self.masters)
 
     def state_dict(self) -> dict:
         """The module's state_dict with the float32 masters in place of the bf16 parameters."""

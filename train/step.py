@@ -111,17 +111,51 @@ def train_step(model, opt, sched, embed, head, mbs: list[dict], sc: StepConfig, 
         loss_total += loss_sum.detach().double()
         stats_total += stats.detach().float()
         tokens += (mb["doc"] >= 0).sum()
-    params = [p for g in opt.param_groups for p in g["params"]]
-    gnorm = torch.nn.utils.clip_grad_norm_(params, sc.grad_clip)
-    # The one host sync of a step: a non-finite gradient (NaN features, an overflow) must never
-    # reach the weights. The norm is global after DDP's all-reduce, so every rank agrees.
-    finite = bool(torch.isfinite(gnorm))
-    if finite:
-        opt.step()
-        if master is not None:
-            master.push()
+    gnorm, finite = clip_and_step(opt, sc.grad_clip, master)
     if sched is not None:
         sched.step()
     opt.zero_grad(set_to_none=True)
     return {"loss_sum": loss_total, "weight": W.squeeze(0), "stats": stats_total, "tokens": tokens,
             "grad_norm": gnorm, "finite": finite}
+
+
+def clip_and_step(opt, grad_clip: float, master: MasterWeights | None = None) -> tuple[torch.Tensor, bool]:
+    """Clips the gradients' global norm to grad_clip and steps the optimizer (then the bf16
+    weights from their masters) unless the norm is not finite: a non-finite gradient (NaN
+    features, an overflow) must never reach the weights. The norm is global after DDP's
+    all-reduce, so every rank agrees. Returns (norm, finite)."""
+    params = [p for g in opt.param_groups for p in g["params"]]
+    if clips_in_optimizer(opt):
+        gnorm = clip_in_optimizer(opt, params, grad_clip)
+        opt.step()  # skips the update on the device when the norm is not finite
+        if master is not None:
+            master.push()  # unchanged masters when skipped
+        return gnorm, bool(torch.isfinite(gnorm))  # the step's one host sync, after the launches
+    gnorm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    finite = bool(torch.isfinite(gnorm))  # the step's one host sync
+    if finite:
+        opt.step()
+        if master is not None:
+            master.push()
+    return gnorm, finite
+
+
+# Clip inside the fused AdamW (the GPU's optimizer): its kernel divides each gradient by
+# `grad_scale` as it reads it and skips the update where `found_inf` is set, the hooks
+# torch.amp.GradScaler uses. That saves clip_grad_norm_'s multiply, a read and a write of every
+# float32 gradient, and the host sync before the update (issue 27). Off for other optimizers.
+FUSED_CLIP = True
+
+
+def clips_in_optimizer(opt) -> bool:
+    return FUSED_CLIP and isinstance(opt, torch.optim.AdamW) and bool(opt.defaults.get("fused"))
+
+
+def clip_in_optimizer(opt, params: list, max_norm: float) -> torch.Tensor:
+    """clip_grad_norm_(params, max_norm)'s scale, handed to the fused optimizer's next step
+    instead of applied to the gradients; returns the total norm, as clip_grad_norm_ does."""
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    # clip_grad_norm_ multiplies by min(1, max_norm / (norm + 1e-6)); the kernel divides by its inverse
+    opt.grad_scale = torch.clamp((norm.float() + 1e-6) / max_norm, min=1.0).reshape(())
+    opt.found_inf = (~torch.isfinite(norm)).float().reshape(())
+    return norm
