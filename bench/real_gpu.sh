@@ -97,7 +97,7 @@ data)
     train_bg data-3 /tmp/s/data --draft-layers 3 --labels data
     train_bg data-3-argmax /tmp/s/data --draft-layers 3 --labels argmax
     ext regen /tmp/d/regen 1,8,14,15,20,27 &
-    ext regen-fp8 /tmp/d/regen 1,14,27 --precision fp8 &
+    [[ " $RUNS " == *" regen-3-fp8 "* ]] && ext regen-fp8 /tmp/d/regen 1,14,27 --precision fp8 &
     wait
     for n in 1 3 5; do train_bg regen-$n /tmp/s/regen --draft-layers $n --labels data; done
     train_bg regen-3-fp8 /tmp/s/regen-fp8 --draft-layers 3 --labels data
