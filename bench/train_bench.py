@@ -39,7 +39,6 @@ from shapes import drafter_27b_config, random_target, target_27b_config  # noqa:
 from train.config import DrafterConfig
 from train.loss import chunked_loss, fused_loss, slot_targets
 import train.mask as train_mask
-import train.step as step_mod
 from train.mask import sample_anchors
 from train.model import DFlashDrafter, attention_backend, compile_drafter, compiled_graphs, param_count
 from train.precision import MasterWeights
@@ -112,32 +111,29 @@ class Variant:
     before issue 27); weights: bf16 (float32 masters) | fp32 (autocast over float32 weights, before
     issue 27); `full`: every layer full attention (the peer's layout) instead of the drafter's
     sliding-window layers; PRESET: flex kernel options from FLEX_PRESETS (`--flex-options`);
-    `cmask`: the BlockMasks built by a compiled create_block_mask (train.mask.COMPILE_ON_GPU);
-    `oldclip`: clip_grad_norm_ before the optimizer instead of the clip inside the fused AdamW
-    (train.step.FUSED_CLIP, the default since issue 27's fourth session)."""
+    `emask`: the BlockMasks built by the eager create_block_mask (before issue 27's fourth session;
+    the GPU default compiles it: train.mask.COMPILE_ON_GPU)."""
     mode: str
     loss: str = "fused"
     weights: str = "bf16"
     chunk: int = 4096
     full_attention: bool = False
     flex: str = ""
-    cmask: bool = False
-    oldclip: bool = False
+    emask: bool = False
 
     @classmethod
     def parse(cls, text: str) -> "Variant":
         p = text.split(":")
         rest = p[4:]
-        flags = ("full", "cmask", "oldclip")
+        flags = ("full", "emask")
         presets = [x for x in rest if x not in flags]
         if len(presets) > 1 or any(x not in FLEX_PRESETS for x in presets):
             raise SystemExit(f"variant {text}: after the chunk only {flags} and one of {sorted(FLEX_PRESETS)}")
-        return cls(p[0], *(p[1:3]), *(int(x) for x in p[3:4]), "full" in rest, "".join(presets), "cmask" in rest,
-                   "oldclip" in rest)
+        return cls(p[0], *(p[1:3]), *(int(x) for x in p[3:4]), "full" in rest, "".join(presets), "emask" in rest)
 
     def __str__(self):
         return f"{self.mode}:{self.loss}:{self.weights}:{self.chunk}" + (":full" if self.full_attention else "") + \
-            (f":{self.flex}" if self.flex else "") + (":cmask" if self.cmask else "") + (":oldclip" if self.oldclip else "")
+            (f":{self.flex}" if self.flex else "") + (":emask" if self.emask else "")
 
 
 # flex_attention kernel options to try on the step (torch's Hopper default for the backward at
@@ -263,8 +259,7 @@ def step(device, dcfg, S, A, variants, steps, profile: set[str]):
         free()
         m = run = opt = master = None
         name = str(v)
-        train_mask.COMPILE_ON_GPU = v.cmask
-        step_mod.FUSED_CLIP = not v.oldclip
+        train_mask.COMPILE_ON_GPU = not v.emask
         try:
             m, run, opt, master = make_model(dcfg, v, device)
             sc = replace(StepConfig.of(run), loss=v.loss, loss_chunk=v.chunk)

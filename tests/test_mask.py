@@ -141,9 +141,9 @@ def test_flex_kernel_options_reach_flex_attention(monkeypatch):
 
 
 def test_compiled_block_mask_equals_eager_and_compiles_once():
-    """block_mask(compile=True) (the GPU path behind train.mask.COMPILE_ON_GPU): the same blocks as
+    """block_mask(compile=True) (the GPU default, train.mask.COMPILE_ON_GPU): the same blocks as
     the eager build, its listed blocks where the dense mask has a pair, and a second batch of the
-    same shapes (other anchors and documents) reuses the compiled graph."""
+    same shapes (other anchors and documents), also under no_grad, reuses the compiled graph."""
     import torch._dynamo
 
     from train.mask import block_mask
@@ -171,4 +171,7 @@ def test_compiled_block_mask_equals_eager_and_compiles_once():
         tiles = torch.nn.functional.pad(dense, (0, pad, 0, (-Q) % 128)).unflatten(1, (-1, 128)).unflatten(3, (-1, 128))
         any_ = tiles.amax((2, 4)) > 0
         assert torch.equal(got.to_dense()[:, 0].bool(), any_)
+    # the held-out evaluation builds its masks under no_grad: the same graph
+    with torch.no_grad(), torch._dynamo.config.patch(error_on_recompile=True):
+        block_mask(mod, B, Q, KV, "cpu", compile=True)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1  # compiled, and once

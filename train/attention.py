@@ -31,14 +31,16 @@ def attend(q, k, v, mask, backend: str, kernel_options: dict | None = None):
     return fn(q, k, v, block_mask=mask, enable_gqa=q.shape[1] != k.shape[1], kernel_options=kernel_options or None)
 
 
-def build_masks(batch: dict, block: int, kinds: set[tuple[bool, int | None]], backend: str, device) -> dict:
-    """{(causal, window): mask} for every layer kind the drafter has, for one batch."""
+def build_masks(batch: dict, block: int, kinds: set[tuple[bool, int | None]], backend: str, device,
+                compile_mask: bool | None = None) -> dict:
+    """{(causal, window): mask} for every layer kind the drafter has, for one batch. compile_mask:
+    build flex's BlockMasks compiled (None: on a GPU, train.mask.COMPILE_ON_GPU)."""
     anchors, valid, doc = batch["anchors"], batch["anchor_valid"], batch["doc"]
     B, A = anchors.shape
     Q, KV = A * block, doc.shape[1] + A * block
 
     def mask(causal, window):
         mod = make_mask_mod(anchors, valid, doc, block, window, causal)
-        return dense_mask(mod, B, Q, KV, device) if backend == "sdpa" else block_mask(mod, B, Q, KV, device)
+        return dense_mask(mod, B, Q, KV, device) if backend == "sdpa" else block_mask(mod, B, Q, KV, device, compile_mask)
 
     return {kind: mask(*kind) for kind in sorted(kinds, key=str)}

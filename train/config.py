@@ -225,7 +225,8 @@ class TrainConfig:
         "data", "data: dataset tokens; argmax: the target's own choice; distill: its top-k distribution + tail")
     compile: Literal["auto", "blocks", "attention", "full", "none"] = opt(
         "auto", "blocks: torch.compile each decoder layer on its own (LM head and loss eager); "
-        "attention: the flex_attention call only; full: the whole drafter; none; auto = blocks on a "
+        "attention: the flex_attention call only; full: the whole drafter (each but none also compiles "
+        "the flex BlockMask's build); none; auto = blocks on a "
         "GPU, none on the CPU (small drafters there gain less than the compile costs)")
     attention: Literal["auto", "flex", "sdpa"] = opt("auto", "flex (GPU) or SDPA with the dense mask (CPU)")
     flex_options: dict = opt(help="flex_attention kernel_options as JSON, e.g. the backward's block sizes "

@@ -82,11 +82,12 @@ def dense_mask(mask_mod, B: int, Q: int, KV: int, device=None) -> torch.Tensor:
     return mask_mod(b, zero, q, kv)[:, None]
 
 
-# Build flex's BlockMask with torch.compile on a GPU? Eager create_block_mask evaluates the
-# mask_mod densely, (B, Q, KV) int64 intermediates (1 GiB each at Q 8,192, KV 16,384) for every
-# layer kind every step; compiled, it fuses them. Off until measured on a GPU: the bench's `cmask`
-# variant turns it on (bench/train_bench.py); the CPU test checks the compiled blocks are the same.
-COMPILE_ON_GPU = False
+# flex's BlockMask on a GPU comes from a compiled create_block_mask. Eager, it evaluates the
+# mask_mod densely, (B, Q, KV) int64 intermediates (1 GiB each at Q 8,192, KV 16,384), for every
+# layer kind every step; compiled, they fuse. Measured at the 27B drafter shape on an H100: the
+# step 297 -> 277 ms, the drafter's forward 70 -> 48 ms (BENCHMARKS.md, issue 27). The first build
+# of a shape compiles for about 2 minutes on a cold inductor cache (seconds once cached on disk).
+COMPILE_ON_GPU = True
 
 
 def block_mask(mask_mod, B: int, Q: int, KV: int, device, compile: bool | None = None):
@@ -95,7 +96,8 @@ def block_mask(mask_mod, B: int, Q: int, KV: int, device, compile: bool | None =
     if compile is None:
         compile = COMPILE_ON_GPU and torch.device(device).type == "cuda"
     fn = _compiled_create_block_mask() if compile else create_block_mask
-    return fn(mask_mod, B, None, Q, KV, device=device)
+    with torch.no_grad():  # grad mode is a compile guard: training and held-out share one graph
+        return fn(mask_mod, B, None, Q, KV, device=device)
 
 
 @functools.cache

@@ -138,7 +138,7 @@ def build_run(cfg: TrainConfig, rank: int, world: int, device: torch.device) -> 
         eval_rows = list(enumerate(pack_rows(plan.lengths, np.asarray(held), cfg.seq_len)))[rank::world]
         eval_loader = make_loader(RowDataset(cfg.store, eval_rows, spec, None), 1, 0, cfg.prefetch, cuda)
     step_cfg = StepConfig(dcfg, "sdpa" if backend == "sdpa" else "flex", cfg.labels, cfg.gamma, cfg.loss_chunk,
-                          cfg.grad_clip)
+                          cfg.grad_clip, compile_mask=False if mode == "none" else None)  # none: nothing compiled
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if dtype == torch.bfloat16 else contextlib.nullcontext()
     run = Run(cfg, rank, world, device, store, dcfg, embed, head, drafter, model, opt, sched, plan, spec,
               schedule, total, step_cfg, autocast, Checkpointer(cfg.out), eval_loader, online, master)

@@ -42,6 +42,7 @@ class StepConfig:
     loss_chunk: int = 2048
     grad_clip: float = 1.0
     loss: str = "fused"                # "fused" (train.loss.fused_loss) or "checkpointed", its reference
+    compile_mask: bool | None = None   # flex BlockMasks compiled; None: on a GPU (train.mask.COMPILE_ON_GPU)
 
     @property
     def block(self) -> int:
@@ -60,7 +61,8 @@ def draft(model, embed: torch.Tensor, batch: dict, sc: StepConfig | None = None)
     sc = sc or StepConfig.of(model)
     cfg = sc.drafter
     tok, ctx_pos, block_pos = block_inputs(batch, cfg.block_size, cfg.mask_token_id)
-    masks = build_masks(batch, cfg.block_size, cfg.mask_kinds(), sc.mask_form, batch["input_ids"].device)
+    masks = build_masks(batch, cfg.block_size, cfg.mask_kinds(), sc.mask_form, batch["input_ids"].device,
+                        sc.compile_mask)
     noise = F.embedding(tok, embed)
     return model(context_features(batch).to(noise.dtype), noise, ctx_pos, block_pos, masks)
 
@@ -125,12 +127,6 @@ def clip_and_step(opt, grad_clip: float, master: MasterWeights | None = None) ->
     features, an overflow) must never reach the weights. The norm is global after DDP's
     all-reduce, so every rank agrees. Returns (norm, finite)."""
     params = [p for g in opt.param_groups for p in g["params"]]
-    if clips_in_optimizer(opt):
-        gnorm = clip_in_optimizer(opt, params, grad_clip)
-        opt.step()  # skips the update on the device when the norm is not finite
-        if master is not None:
-            master.push()  # unchanged masters when skipped
-        return gnorm, bool(torch.isfinite(gnorm))  # the step's one host sync, after the launches
     gnorm = torch.nn.utils.clip_grad_norm_(params, grad_clip)
     finite = bool(torch.isfinite(gnorm))  # the step's one host sync
     if finite:
@@ -138,24 +134,3 @@ def clip_and_step(opt, grad_clip: float, master: MasterWeights | None = None) ->
         if master is not None:
             master.push()
     return gnorm, finite
-
-
-# Clip inside the fused AdamW (the GPU's optimizer): its kernel divides each gradient by
-# `grad_scale` as it reads it and skips the update where `found_inf` is set, the hooks
-# torch.amp.GradScaler uses. That saves clip_grad_norm_'s multiply, a read and a write of every
-# float32 gradient, and the host sync before the update (issue 27). Off for other optimizers.
-FUSED_CLIP = True
-
-
-def clips_in_optimizer(opt) -> bool:
-    return FUSED_CLIP and isinstance(opt, torch.optim.AdamW) and bool(opt.defaults.get("fused"))
-
-
-def clip_in_optimizer(opt, params: list, max_norm: float) -> torch.Tensor:
-    """clip_grad_norm_(params, max_norm)'s scale, handed to the fused optimizer's next step
-    instead of applied to the gradients; returns the total norm, as clip_grad_norm_ does."""
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-    # clip_grad_norm_ multiplies by min(1, max_norm / (norm + 1e-6)); the kernel divides by its inverse
-    opt.grad_scale = torch.clamp((norm.float() + 1e-6) / max_norm, min=1.0).reshape(())
-    opt.found_inf = (~torch.isfinite(norm)).float().reshape(())
-    return norm
