@@ -109,4 +109,3 @@ def test_two_ranks_with_bf16_weights_equal_one_rank_with_accumulation(store, dra
         assert p1[k].dtype == p2[k].dtype == torch.float32
         off = ((p1[k] - p2[k]).abs() > 1.5e-3).float().mean()  # half of one Adam step of lr 3e-3
         assert off < 0.02, (k, float(off))
-
