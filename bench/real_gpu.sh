@@ -149,7 +149,7 @@ decode)  # the decoder benchmark and the regeneration only (a short lease)
     ROWS=${ROWS:-2000} BENCH_S=${BENCH_S:-130} REGEN_S=${REGEN_S:-100} \
         DECODERS=${DECODERS:-generate:256:256,static:512:2048} DECODE_ONLY=1 bash "$0" data
     ;;
-all)  # data, then eval, in one call of at most ALL_S (570) s: smaller sizes, six trainings, hard limits
+all)  # data, then eval, in one call of at most ALL_S (570) s: smaller sizes, six trainings (ALL_RUNS), hard limits
     start=$(date +%s)
     # the sizes of a short lease (ALL_ROWS, ALL_STEPS, ALL_PROMPTS override them)
     # (2026-12-07, H100: six runs of 500 steps took 3-5 minutes; MT-Bench's 8 dialogues did not end in

@@ -38,7 +38,6 @@ from shapes import drafter_27b_config, random_target, target_27b_config  # noqa:
 
 from train.config import DrafterConfig
 from train.loss import chunked_loss, fused_loss, slot_targets
-import train.mask as train_mask
 from train.mask import sample_anchors
 from train.model import DFlashDrafter, attention_backend, compile_drafter, compiled_graphs, param_count
 from train.precision import MasterWeights
@@ -112,7 +111,7 @@ class Variant:
     issue 27); `full`: every layer full attention (the peer's layout) instead of the drafter's
     sliding-window layers; PRESET: flex kernel options from FLEX_PRESETS (`--flex-options`);
     `emask`: the BlockMasks built by the eager create_block_mask (before issue 27's fourth session;
-    the GPU default compiles it: train.mask.COMPILE_ON_GPU)."""
+    StepConfig.compile_mask False; the GPU default compiles it)."""
     mode: str
     loss: str = "fused"
     weights: str = "bf16"
@@ -259,10 +258,10 @@ def step(device, dcfg, S, A, variants, steps, profile: set[str]):
         free()
         m = run = opt = master = None
         name = str(v)
-        train_mask.COMPILE_ON_GPU = not v.emask
         try:
             m, run, opt, master = make_model(dcfg, v, device)
-            sc = replace(StepConfig.of(run), loss=v.loss, loss_chunk=v.chunk)
+            sc = replace(StepConfig.of(run), loss=v.loss, loss_chunk=v.chunk,
+                         compile_mask=False if v.emask else None)
             t0 = time.perf_counter()
             dt, peak, reserved, loss, graphs, recompiles = time_steps(run, opt, master, sc, embed, head, batch, steps,
                                                                       autocast, device)
