@@ -26,6 +26,7 @@ export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 DFLASH_TARGET_CACHE=/tmp/tar
 ROWS=${ROWS:-5000}; STEPS=${STEPS:-1200}; ANCHORS=${ANCHORS:-512}; PROMPTS=${PROMPTS:-10}; MAX_NEW=${MAX_NEW:-128}
 START=$(date +%s); EVAL_EVERY=${EVAL_EVERY:-200}
 RUNS=${RUNS:-data-3 data-3-argmax regen-1 regen-3 regen-5 regen-3-fp8 regen-3-init regen-3-distill}
+for name in $RUNS; do python3 bench/real_table.py --train-args $name > /dev/null || exit 2; done  # names checked first
 REGEN_BATCH=${REGEN_BATCH:-512}
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" /tmp/gg /tmp/s /tmp/r /tmp/d /tmp/log
 T=/tmp/gg/SmolLM2-135M-Instruct.Q4_1.gguf
@@ -36,13 +37,16 @@ bundle() {  # the device tool brings back at most 8 files: the small ones in one
     [ -n "$files" ] && (cd $OUT && tar czf results.tgz --remove-files $files) && stamp "results in results.tgz"
 }
 
-train_bg() {  # name store [train options...]: a background training that outlives this call (if in RUNS)
-    local name=$1 store=$2; shift 2
-    [[ " $RUNS " == *" $name "* ]] || return 0
-    setsid nohup bash -c "python3 -m train --store $store --out /tmp/r/$name --gpus 0 --mask-token-id 0 \
+train_bg() {  # name: a background training that outlives this call; its name says how it trains
+    # ({data|regen}-{1|3|5}[-fp8][-argmax|-distill][-init], bench/real_table.py parse_run)
+    local name=$1 spec; spec=$(python3 bench/real_table.py --train-args $name) || exit 2
+    setsid nohup bash -c "python3 -m train --store $spec --out /tmp/r/$name --gpus 0 --mask-token-id 0 \
         --seq-len 4096 --max-anchors $ANCHORS --max-steps $STEPS --lr 3e-3 --log-every 50 --eval-every $EVAL_EVERY \
-        --save-every $EVAL_EVERY --eval-samples 64 --workers 2 --no-progress $* > /tmp/log/train-$name.log 2>&1; \
+        --save-every $EVAL_EVERY --eval-samples 64 --workers 2 --no-progress > /tmp/log/train-$name.log 2>&1; \
         echo \$? > /tmp/r/$name.rc" > /dev/null 2>&1 &
+}
+start_runs() {  # the runs of RUNS whose names begin with $1 (data- or regen-)
+    for name in $RUNS; do [[ $name == $1* ]] && train_bg $name; done
 }
 
 progress() {  # each training's last metrics record (training window; held-out at --eval-every)
@@ -87,29 +91,25 @@ data)
         stamp "extracted $name: rc $?"; tail -n 2 /tmp/log/extract-$name.log
     }
     stamp "regenerate $ROWS first turns (greedy, batch $REGEN_BATCH), beside the dataset answers' extraction"
-    ext data $DATA 1,14,27 &
+    [[ " $RUNS" == *" data-"* ]] && ext data $DATA 1,14,27 &   # only when a run reads it
     timeout ${REGEN_S:-200} python3 -m regenerate --data $DATA --max-rows $ROWS --target $T --out /tmp/d/regen --gpus 0 \
         --batch-size $REGEN_BATCH --max-new-tokens 512 --max-prompt-len 2048 --no-progress > /tmp/log/regen.log 2>&1
     stamp "regenerated: rc $?"; tail -n 3 /tmp/log/regen.log
     cp /tmp/d/regen/part-00000.jsonl $OUT/regen-part-00000.jsonl 2>/dev/null
     wait
     [ -n "${DECODE_ONLY:-}" ] && exit 0
-    train_bg data-3 /tmp/s/data --draft-layers 3 --labels data
-    train_bg data-3-argmax /tmp/s/data --draft-layers 3 --labels argmax
+    start_runs data-
     ext regen /tmp/d/regen 1,8,14,15,20,27 &
-    [[ " $RUNS " == *" regen-3-fp8 "* ]] && ext regen-fp8 /tmp/d/regen 1,14,27 --precision fp8 &
+    [[ " $RUNS " == *"-fp8"* ]] && ext regen-fp8 /tmp/d/regen 1,14,27 --precision fp8 &
     wait
-    for n in 1 3 5; do train_bg regen-$n /tmp/s/regen --draft-layers $n --labels data; done
-    train_bg regen-3-fp8 /tmp/s/regen-fp8 --draft-layers 3 --labels data
-    train_bg regen-3-init /tmp/s/regen --draft-layers 3 --labels data --init-from-target
-    train_bg regen-3-distill /tmp/s/regen --draft-layers 3 --labels distill
+    start_runs regen-
     du -sh /tmp/s/*
     stamp "trainings started"
     # the call holds the machine while the trainings run (an idle machine is given back)
     while [ $(($(date +%s) - START)) -lt ${DATA_S:-540} ]; do sleep 60; stamp "training"; progress; done
     ;;
 eval)
-    GROUPS_=${GROUPS_:-"data-3,data-3-argmax regen-1,regen-3 regen-5,regen-3-fp8 regen-3-init,regen-3-distill"}
+    GROUPS_=${GROUPS_:-$RUNS}  # one evaluation process per drafter and set unless grouped (a,b)
     # the trainings run until WAIT_S; one still running then is stopped and its best/ export
     # (the best held-out offline tau so far) is evaluated instead, and the table says so
     while [ $(($(date +%s) - START)) -lt ${WAIT_S:-240} ]; do

@@ -8,19 +8,27 @@ A curve of held-out offline tau against steps follows, per run.
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
-RUNS = {  # name: (answers, labels, draft layers, store precision); "+init": --init-from-target
-    "data-3": ("dataset", "data", 3, "bf16"),
-    "data-3-argmax": ("dataset", "argmax", 3, "bf16"),
-    "regen-1": ("regenerated", "data", 1, "bf16"),
-    "regen-3": ("regenerated", "data", 3, "bf16"),
-    "regen-5": ("regenerated", "data", 5, "bf16"),
-    "regen-3-fp8": ("regenerated", "data", 3, "fp8"),
-    "regen-3-init": ("regenerated", "data", "3 +init", "bf16"),
-    "regen-3-distill": ("regenerated", "distill", 3, "bf16"),
-}
+def parse_run(name: str) -> dict:
+    """A run's name says how it trains: {data|regen}-{draft layers}[-fp8][-argmax|-distill][-init],
+    e.g. regen-3-fp8-init. data: the dataset answers' store (target layers 1, 14, 27); regen: the
+    regenerated answers' (1, 8, 14, 15, 20, 27), or its fp8 twin (1, 14, 27); init:
+    --init-from-target. `bash bench/real_gpu.sh` trains from this, and the table reads it back."""
+    m = re.fullmatch(r"(data|regen)-([135])(-fp8)?(-argmax|-distill)?(-init)?", name)
+    if m is None or (m[1] == "data" and (m[2] != "3" or m[3])) or (m[3] and m[2] != "3"):
+        raise ValueError(f"run name {name!r}: expected {{data|regen}}-{{1|3|5}}[-fp8][-argmax|-distill][-init] "
+                         f"(data and fp8 stores hold the layers of 3 draft layers)")
+    labels = (m[4] or "-data")[1:]
+    store = "/tmp/s/" + ("data" if m[1] == "data" else "regen-fp8" if m[3] else "regen")
+    args = f"--draft-layers {m[2]} --labels {labels}" + (" --init-from-target" if m[5] else "")
+    return {"answers": "dataset" if m[1] == "data" else "regenerated", "labels": labels,
+            "layers": m[2] + (" +init" if m[5] else ""), "precision": "fp8" if m[3] else "bf16",
+            "store": store, "args": args}
+
+
 SETS = ("mt-bench", "humaneval")
 
 
@@ -43,6 +51,13 @@ def evaluations(out: Path) -> dict:
 
 
 def main():
+    if sys.argv[1] == "--train-args":  # for real_gpu.sh: "STORE ARGS" of a run name
+        try:
+            r = parse_run(sys.argv[2])
+        except ValueError as e:
+            sys.exit(f"real_table.py: {e}")
+        print(r["store"], r["args"])
+        return
     out = Path(sys.argv[1])
     if out.is_file():  # results.tgz, as real_gpu.sh bundles them for the device tool
         import tarfile
@@ -55,7 +70,10 @@ def main():
     print("| drafter | answers | labels | draft layers | store | steps | export | offline tau (train window / held-out) | "
           + " | ".join(f"{s} tau | {s} lookup tau | {s} ratio | {s} speedup (drafter / lookup)" for s in SETS) + " |")
     print("| --- " * (8 + 4 * len(SETS)) + "|")
-    for name, (answers, labels, layers, prec) in RUNS.items():
+    names = sorted({f.stem[len("metrics-"):] for f in out.glob("metrics-*.jsonl")} | {k[0] for k in ev})
+    for name in names:
+        r = parse_run(name)
+        answers, labels, layers, prec = r["answers"], r["labels"], r["layers"], r["precision"]
         recs = records(out, name)
         if not recs and not any(k[0] == name for k in ev):
             continue
@@ -78,7 +96,7 @@ def main():
         print(f"| {name} | {answers} | {labels} | {layers} | {prec} | {last.get('step', '-')} | {export} | {offline} | "
               + " | ".join(cells) + " |")
     print()
-    for name in RUNS:
+    for name in names:
         held = [r for r in records(out, name) if "eval_tau" in r]
         if held:
             print(f"{name}: held-out offline tau by step: " + ", ".join(f"{r['step']}: {r['eval_tau']:.3f}" for r in held))
