@@ -45,6 +45,11 @@ train_bg() {  # name: a background training that outlives this call; its name sa
         --save-every $EVAL_EVERY --eval-samples 64 --workers 2 --no-progress > /tmp/log/train-$name.log 2>&1; \
         echo \$? > /tmp/r/$name.rc" > /dev/null 2>&1 &
 }
+needs() {  # does a run of RUNS read the store /tmp/s/$1?
+    local name; for name in $RUNS; do
+        [ "$(python3 bench/real_table.py --train-args $name | cut -d' ' -f1)" = /tmp/s/$1 ] && return 0
+    done; return 1
+}
 start_runs() {  # the runs of RUNS whose names begin with $1 (data- or regen-)
     for name in $RUNS; do [[ $name == $1* ]] && train_bg $name; done
 }
@@ -90,19 +95,25 @@ data)
             --layers $layers --no-progress "$@" > /tmp/log/extract-$name.log 2>&1
         stamp "extracted $name: rc $?"; tail -n 2 /tmp/log/extract-$name.log
     }
-    stamp "regenerate $ROWS first turns (greedy, batch $REGEN_BATCH), beside the dataset answers' extraction"
-    [[ " $RUNS" == *" data-"* ]] && ext data $DATA 1,14,27 &   # only when a run reads it
-    timeout ${REGEN_S:-200} python3 -m regenerate --data $DATA --max-rows $ROWS --target $T --out /tmp/d/regen --gpus 0 \
-        --batch-size $REGEN_BATCH --max-new-tokens 512 --max-prompt-len 2048 --no-progress > /tmp/log/regen.log 2>&1
-    stamp "regenerated: rc $?"; tail -n 3 /tmp/log/regen.log
-    cp /tmp/d/regen/part-00000.jsonl $OUT/regen-part-00000.jsonl 2>/dev/null
+    # each store only when a run reads it (or DECODE_ONLY asks for the regeneration)
+    needs data && ext data $DATA 1,14,27 &
+    needs data-fp8 && ext data-fp8 $DATA 1,14,27 --precision fp8 &
+    if needs regen || needs regen-fp8 || [ -n "${DECODE_ONLY:-}" ]; then
+        stamp "regenerate $ROWS first turns (greedy, batch $REGEN_BATCH), beside the dataset answers' extraction"
+        timeout ${REGEN_S:-200} python3 -m regenerate --data $DATA --max-rows $ROWS --target $T --out /tmp/d/regen --gpus 0 \
+            --batch-size $REGEN_BATCH --max-new-tokens 512 --max-prompt-len 2048 --no-progress > /tmp/log/regen.log 2>&1
+        stamp "regenerated: rc $?"; tail -n 3 /tmp/log/regen.log
+        cp /tmp/d/regen/part-00000.jsonl $OUT/regen-part-00000.jsonl 2>/dev/null
+    fi
     wait
     [ -n "${DECODE_ONLY:-}" ] && exit 0
     start_runs data-
-    ext regen /tmp/d/regen 1,8,14,15,20,27 &
-    [[ " $RUNS " == *"-fp8"* ]] && ext regen-fp8 /tmp/d/regen 1,14,27 --precision fp8 &
-    wait
-    start_runs regen-
+    if needs regen || needs regen-fp8; then
+        needs regen && ext regen /tmp/d/regen 1,8,14,15,20,27 &
+        needs regen-fp8 && ext regen-fp8 /tmp/d/regen 1,14,27 --precision fp8 &
+        wait
+        start_runs regen-
+    fi
     du -sh /tmp/s/*
     stamp "trainings started"
     # the call holds the machine while the trainings run (an idle machine is given back)
