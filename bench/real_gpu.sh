@@ -17,7 +17,7 @@
 #   bash bench/real_gpu.sh decode  the decoder benchmark and the regeneration alone
 # .gg/sharegpt-first.jsonl.gz: the first (human, gpt) pair of ShareGPT's first 6,000 records that
 # begin with one (`python -m shared.named_data sharegpt`, read by our reader).
-#   ROWS, STEPS, ANCHORS, PROMPTS, MAX_NEW, REGEN_BATCH: the run's size; DECODERS: also run the
+#   ROWS, STEPS, ANCHORS, PROMPTS, MAX_NEW, REGEN_BATCH, WORKERS (loader processes per training): the run's size; DECODERS: also run the
 #   decoder benchmark; EVAL_S: seconds per evaluation process.
 # Call it without `| tail`: a call cut off by its time limit then still returns what was printed
 # (the device tool keeps the last 12,000 characters); every step's log is also under /tmp/log.
@@ -42,7 +42,7 @@ train_bg() {  # name: a background training that outlives this call; its name sa
     local name=$1 spec; spec=$(python3 bench/real_table.py --train-args $name) || exit 2
     setsid nohup bash -c "python3 -m train --store $spec --out /tmp/r/$name --gpus 0 --mask-token-id 0 \
         --seq-len 4096 --max-anchors $ANCHORS --max-steps $STEPS --lr 3e-3 --log-every 50 --eval-every $EVAL_EVERY \
-        --save-every $EVAL_EVERY --eval-samples 64 --workers 2 --no-progress > /tmp/log/train-$name.log 2>&1; \
+        --save-every $EVAL_EVERY --eval-samples 64 --workers ${WORKERS:-2} --no-progress > /tmp/log/train-$name.log 2>&1; \
         echo \$? > /tmp/r/$name.rc" > /dev/null 2>&1 &
 }
 needs() {  # does a run of RUNS read the store /tmp/s/$1?
@@ -165,11 +165,11 @@ all)  # data, then eval, in one call of at most ALL_S (570) s: smaller sizes, si
     # the sizes of a short lease (ALL_ROWS, ALL_STEPS, ALL_PROMPTS override them)
     # (2026-12-07, H100: six runs of 500 steps took 3-5 minutes; MT-Bench's 8 dialogues did not end in
     # 170 s, and eval.speculative now writes its JSON after every prompt, so a cut-off set keeps them)
-    export ROWS=${ALL_ROWS:-2000} STEPS=${ALL_STEPS:-800} EVAL_EVERY=100 PROMPTS=${ALL_PROMPTS:-8}
+    export ROWS=${ALL_ROWS:-2000} STEPS=${ALL_STEPS:-800} EVAL_EVERY=${ALL_EVAL_EVERY:-100} PROMPTS=${ALL_PROMPTS:-8}
     # ALL_RUNS / ALL_GROUPS: fewer runs for more steps each (one group = one evaluation process per set)
     export RUNS=${ALL_RUNS:-"data-3 regen-1 regen-3 regen-5 regen-3-fp8 regen-3-init"}
     export GROUPS_=${ALL_GROUPS:-"data-3,regen-3 regen-1,regen-5 regen-3-fp8,regen-3-init"}
-    REGEN_S=120 DATA_S=0 bash "$0" data
+    REGEN_S=${REGEN_S:-120} DATA_S=0 bash "$0" data
     left=$((${ALL_S:-570} - ($(date +%s) - start)))
     eval_s=${EVAL_S:-200}
     stamp "eval with ${left}s left: the trainings get $((left - eval_s - 20))s more"
