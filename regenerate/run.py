@@ -6,6 +6,11 @@ each row with its provenance under "meta". Rows are cut into shards of `shard_ro
 source rows; a shard is written through a temporary name and renamed when all its rows are done,
 so a kill at any moment loses only unfinished shards and a rerun of the same command writes
 every source row exactly once (greedy runs identically to an uninterrupted run).
+
+Consecutive shards are decoded together, in groups of at least four batches (`group_of`): the
+engine sorts a group's prompts by length and fills whole batches. One shard at a time gave the
+engine 256 prompts for a batch of 512 (the static decoder pads the batch to full size) and a new
+cache length, hence new captured graphs, for every shard.
 """
 
 from __future__ import annotations
@@ -30,17 +35,32 @@ def shard_path(out: Path, k: int) -> Path:
     return out / f"part-{k:05d}.jsonl"
 
 
-def run_shard(engine, cfg: RegenConfig, k: int, jobs: list[Job], sources: list[dict], target_id: str) -> dict:
-    """Every turn of every job of shard k, round by round; then the shard file, atomically."""
+def group_of(cfg: RegenConfig, k: int) -> int:
+    """The group of shard k: consecutive shards holding at least four batches of rows. Fixed by
+    the settings (which a resumed run repeats), so a rerun decodes the same groups."""
+    return k // max(1, -(-4 * cfg.batch_size // cfg.shard_rows))
+
+
+def run_group(engine, cfg: RegenConfig, shards: dict[int, list[Job]], sources: list[dict], target_id: str):
+    """Every turn of every job of a group of shards, round by round, all the group's pending jobs
+    in one engine call per round; then each shard's file, atomically. Yields (rows, stats) per shard."""
+    jobs = [j for k in sorted(shards) for j in shards[k]]
+    first = min(shards)
     rnd = 0
     while any(j.pending() for j in jobs):
         active = [j for j in jobs if j.pending()]
         replies = engine.generate([(j.prompt(), j.source.get("tools")) for j in active],
-                                  seed=cfg.seed * 100_003 + k * 101 + rnd if cfg.engine == "local" else
+                                  seed=cfg.seed * 100_003 + first * 101 + rnd if cfg.engine == "local" else
                                   cfg.seed + 1_000_000 * rnd + active[0].g)
         for j, r in zip(active, replies):
             j.accept(r)
         rnd += 1
+    for k in sorted(shards):
+        yield len(shards[k]), write_shard(cfg, k, shards[k], sources, target_id)
+
+
+def write_shard(cfg: RegenConfig, k: int, jobs: list[Job], sources: list[dict], target_id: str) -> dict:
+    """Shard k's rows (its jobs answered) and its counts, each written atomically."""
     lines, stats, examples = [], Counter(), {}
     gen = {k2: v for k2, v in cfg.generation().items() if k2 not in ("shard_rows", "batch_size")}
     for j in jobs:
@@ -77,11 +97,12 @@ def _target_id(cfg: RegenConfig) -> str:
     return weights_fingerprint(cfg.target)
 
 
-def _worker(cfg: RegenConfig, device: str, shards: dict[int, list[Job]], sources, target_id, progress_q):
+def _worker(cfg: RegenConfig, device: str, groups: dict[int, dict[int, list[Job]]], sources, target_id,
+            progress_q):
     engine = LocalEngine(cfg, device) if cfg.engine == "local" else OpenAIEngine(cfg)
-    for k, jobs in shards.items():
-        stats = run_shard(engine, cfg, k, jobs, sources, target_id)
-        progress_q.put((len(jobs), stats.get("tokens", 0)))
+    for _, shards in sorted(groups.items()):
+        for rows, stats in run_group(engine, cfg, shards, sources, target_id):
+            progress_q.put((rows, stats.get("tokens", 0)))
 
 
 def run(cfg: RegenConfig) -> dict:
@@ -128,7 +149,10 @@ def run(cfg: RegenConfig) -> dict:
         bar.update(n)
         bar.set_postfix(tok_s=f"{tokens / max(time.time() - t0, 1e-9):,.0f}")
 
-    parts = [{k: v for k, v in todo.items() if k % world == r} for r in range(world)]
+    groups: dict[int, dict[int, list[Job]]] = {}
+    for k, v in sorted(todo.items()):
+        groups.setdefault(group_of(cfg, k), {})[k] = v
+    parts = [{gi: g for gi, g in groups.items() if gi % world == r} for r in range(world)]
     try:
         if todo:
             run_workers(_worker, [(cfg, d, parts[r], sources, target_id) for r, d in enumerate(devices)], on_message)

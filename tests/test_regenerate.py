@@ -137,6 +137,36 @@ def test_kill_9_then_rerun_equals_uninterrupted(tiny, data, tmp_path):
     assert got == want and not list(out.glob("*.tmp*"))
 
 
+def test_shards_are_decoded_in_groups_of_whole_batches(tiny, data, tmp_path):
+    """The engine gets a group's prompts at once (at least four batches), not one small shard at a
+    time; every shard is still its own file, every source row in it once, in order."""
+    from regenerate.jobs import Reply, read_jobs
+    from regenerate.run import group_of, run_group, shard_path
+
+    class Recorder:  # answers every prompt at once, recording how many it was given
+        def __init__(self):
+            self.calls = []
+
+        def generate(self, prompts, seed):
+            self.calls.append(len(prompts))
+            return [Reply(f"answer {i}", "stop", 3) for i in range(len(prompts))]
+
+    c = cfg(tiny, data, tmp_path / "out", shard_rows=1, batch_size=2)  # groups of 4 * 2 / 1 = 8 shards
+    (tmp_path / "out").mkdir()
+    sources, jobs, _, _ = read_jobs(c)
+    assert [group_of(c, k) for k in range(17)] == [0] * 8 + [1] * 8 + [2]
+    groups: dict = {}
+    for j in jobs:
+        groups.setdefault(group_of(c, j.g), {})[j.g] = [j]
+    eng, written = Recorder(), []
+    for g in groups.values():
+        written += [rows for rows, _ in run_group(eng, c, g, sources, "t")]
+    assert eng.calls == [8, 4] and written == [1] * 12   # 12 usable rows (one broken): 8, then 4, 1 a shard
+    for j in jobs:  # one file per shard, holding its row
+        assert [json.loads(l)["meta"]["source"]["row"] for l in shard_path(Path(c.out), j.g).read_text().splitlines()] \
+            == [j.row]
+
+
 # --- the OpenAI engine against a real server -------------------------------------------------------
 
 class FakeServer(ThreadingHTTPServer):
