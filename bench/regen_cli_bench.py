@@ -63,7 +63,7 @@ def main():
                           max_new_tokens=a.max_new, batch_size=a.batch, shard_rows=a.shard_rows, progress=False)
         group_of = R.group_of
         if not grouped:
-            R.group_of = lambda cfg, k: k  # one shard per engine call
+            R.group_of = lambda cfg, k, world=1: (k % world, k // world)  # one shard per engine call
         try:
             t = time.perf_counter()
             s = R.run(cfg)

@@ -35,10 +35,12 @@ def shard_path(out: Path, k: int) -> Path:
     return out / f"part-{k:05d}.jsonl"
 
 
-def group_of(cfg: RegenConfig, k: int) -> int:
-    """The group of shard k: consecutive shards holding at least four batches of rows. Fixed by
-    the settings (which a resumed run repeats), so a rerun decodes the same groups."""
-    return k // max(1, -(-4 * cfg.batch_size // cfg.shard_rows))
+def group_of(cfg: RegenConfig, k: int, world: int = 1) -> tuple[int, int]:
+    """(worker, group) of shard k: the shards are dealt to the workers in turn, and each worker
+    decodes its consecutive shards in groups holding at least four batches of rows. Fixed by the
+    command (its settings and --gpus), so a rerun decodes the same groups."""
+    per = max(1, -(-4 * cfg.batch_size // cfg.shard_rows))
+    return k % world, (k // world) // per
 
 
 def run_group(engine, cfg: RegenConfig, shards: dict[int, list[Job]], sources: list[dict], target_id: str):
@@ -149,10 +151,10 @@ def run(cfg: RegenConfig) -> dict:
         bar.update(n)
         bar.set_postfix(tok_s=f"{tokens / max(time.time() - t0, 1e-9):,.0f}")
 
-    groups: dict[int, dict[int, list[Job]]] = {}
+    parts: list[dict[int, dict[int, list[Job]]]] = [{} for _ in range(world)]  # per worker: group -> shards
     for k, v in sorted(todo.items()):
-        groups.setdefault(group_of(cfg, k), {})[k] = v
-    parts = [{gi: g for gi, g in groups.items() if gi % world == r} for r in range(world)]
+        r, g = group_of(cfg, k, world)
+        parts[r].setdefault(g, {})[k] = v
     try:
         if todo:
             run_workers(_worker, [(cfg, d, parts[r], sources, target_id) for r, d in enumerate(devices)], on_message)

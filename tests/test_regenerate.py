@@ -154,7 +154,9 @@ def test_shards_are_decoded_in_groups_of_whole_batches(tiny, data, tmp_path):
     c = cfg(tiny, data, tmp_path / "out", shard_rows=1, batch_size=2)  # groups of 4 * 2 / 1 = 8 shards
     (tmp_path / "out").mkdir()
     sources, jobs, _, _ = read_jobs(c)
-    assert [group_of(c, k) for k in range(17)] == [0] * 8 + [1] * 8 + [2]
+    assert [group_of(c, k) for k in range(17)] == [(0, 0)] * 8 + [(0, 1)] * 8 + [(0, 2)]
+    # two GPUs: shards dealt in turn, each worker's own shards grouped
+    assert [group_of(c, k, world=2) for k in (0, 1, 15, 16, 17)] == [(0, 0), (1, 0), (1, 0), (0, 1), (1, 1)]
     groups: dict = {}
     for j in jobs:
         groups.setdefault(group_of(c, j.g), {})[j.g] = [j]
