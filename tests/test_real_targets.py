@@ -128,6 +128,25 @@ def test_a_json_array_cut_off_mid_record_reads_every_complete_record_and_names_t
         list(iter_rows([f]))
 
 
+def test_gpu_inputs_keep_the_first_pair_of_records_that_begin_with_one(tmp_path):
+    """bench/real_gpu_inputs.py's prompts: the first (human, gpt) pair of each record that begins
+    with one, up to N, read through the cut-off file's reader (its broken tail is no record)."""
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from real_gpu_inputs import sharegpt_first_pairs
+    recs = sharegpt_records(5)
+    recs[1]["conversations"].reverse()                                     # begins with gpt: skipped
+    recs[2]["conversations"].append({"from": "human", "value": "more"})    # later turns dropped
+    recs[3]["conversations"] = recs[3]["conversations"][:1]                # no answer: skipped
+    whole = json.dumps(recs, indent=1)
+    f = tmp_path / "sharegpt.json"
+    f.write_text(whole[:whole.index('"answer 4"') + 5])                    # record 4 cut off
+    got = sharegpt_first_pairs(f, 10)
+    assert [r["id"] for r in got] == ["r0", "r2"]
+    assert got[1]["conversations"] == recs[2]["conversations"][:2]
+    assert [r["id"] for r in sharegpt_first_pairs(f, 1)] == ["r0"]
+
+
 def test_prompt_set_rows_become_user_turns(tmp_path):
     mt = {"question_id": 81, "category": "writing", "turns": ["Write a poem.", "Now shorter."]}
     he = {"task_id": "HumanEval/0", "prompt": "def add(a, b):\n    \"\"\"Sum.\"\"\"\n", "entry_point": "add"}
