@@ -5,11 +5,14 @@ same prompts. bench/regen_bench.py times the decoder alone; this is what `python
 makes of it.
 
     python bench/regen_cli_bench.py --rows 2048 --max-new 256 --batch 512 --shard-rows 256
+    python bench/regen_cli_bench.py --data sharegpt-first.jsonl.gz --rows 4096 --max-new 512 --max-prompt-len 2048
 
 The tokenizer is the built-in tiny one (shared/tiny.py) and the prompts its stdlib chat pairs
 (1,639 with Python 3.11), repeated where --rows asks for more. The head keeps SmolLM2's 49,152
 rows, but those past the tokenizer's ids and the end of turn are zero, so the argmax stays on ids
-the tokenizer decodes and every row runs to --max-new: the same work for both ways.
+the tokenizer decodes and every row runs to --max-new: the same work for both ways. --data takes
+any DATA file instead (e.g. ShareGPT's first pairs: prompts of every length, tokenized by the tiny
+tokenizer, so longer in tokens than SmolLM2's own would make them).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from regenerate.config import RegenConfig
 from shared.tiny import build_tokenizer, stdlib_chat_pairs
 
 
-def build(out: Path, rows: int, device: str) -> tuple[Path, Path]:
+def build(out: Path, rows: int, device: str, data: str | None) -> tuple[Path, Path | str]:
     from transformers import LlamaConfig, LlamaForCausalLM
     pairs = stdlib_chat_pairs()
     tok = build_tokenizer([m["content"] for r in pairs for m in r["messages"]], out / "target")
@@ -41,9 +44,11 @@ def build(out: Path, rows: int, device: str) -> tuple[Path, Path]:
         model.lm_head.weight[len(tok):] = 0
         model.lm_head.weight[tok.eos_token_id] = 0
     model.to(torch.bfloat16 if device != "cpu" else torch.float32).save_pretrained(out / "target")
-    data = out / "data.jsonl"  # the pairs over again where --rows asks for more than there are
-    data.write_text("".join(json.dumps(pairs[i % len(pairs)]) + "\n" for i in range(rows)))
-    return out / "target", data
+    if data:
+        return out / "target", data
+    path = out / "data.jsonl"  # the pairs over again where --rows asks for more than there are
+    path.write_text("".join(json.dumps(pairs[i % len(pairs)]) + "\n" for i in range(rows)))
+    return out / "target", path
 
 
 def main():
@@ -52,15 +57,18 @@ def main():
     ap.add_argument("--max-new", type=int, default=256)
     ap.add_argument("--batch", type=int, default=512)
     ap.add_argument("--shard-rows", type=int, default=256)
+    ap.add_argument("--max-prompt-len", type=int, default=4096)
+    ap.add_argument("--data", default=None, help="prompts from this DATA instead of the stdlib pairs")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     gpus = [0] if torch.cuda.is_available() else []
     tmp = Path(tempfile.mkdtemp(prefix="regen-cli-"))
-    target, data = build(tmp, a.rows, "cuda" if gpus else "cpu")
+    target, data = build(tmp, a.rows, "cuda" if gpus else "cpu", a.data)
 
     def once(name: str, rows: int, grouped: bool) -> dict:
         cfg = RegenConfig(data=str(data), target=str(target), out=str(tmp / name), gpus=gpus, max_rows=rows,
-                          max_new_tokens=a.max_new, batch_size=a.batch, shard_rows=a.shard_rows, progress=False)
+                          max_new_tokens=a.max_new, batch_size=a.batch, shard_rows=a.shard_rows, progress=False,
+                          max_prompt_len=a.max_prompt_len)
         group_of = R.group_of
         if not grouped:
             R.group_of = lambda cfg, k, world=1: (k % world, k // world)  # one shard per engine call
