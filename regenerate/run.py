@@ -43,6 +43,15 @@ def group_of(cfg: RegenConfig, k: int, world: int = 1) -> tuple[int, int]:
     return k % world, (k // world) // per
 
 
+def deal(cfg: RegenConfig, shards: dict[int, list[Job]], world: int) -> list[dict[int, dict[int, list[Job]]]]:
+    """Per worker, its groups of shards (group -> shard -> jobs), by `group_of`."""
+    parts: list[dict[int, dict[int, list[Job]]]] = [{} for _ in range(world)]
+    for k, v in sorted(shards.items()):
+        r, g = group_of(cfg, k, world)
+        parts[r].setdefault(g, {})[k] = v
+    return parts
+
+
 def run_group(engine, cfg: RegenConfig, shards: dict[int, list[Job]], sources: list[dict], target_id: str):
     """Every turn of every job of a group of shards, round by round, all the group's pending jobs
     in one engine call per round; then each shard's file, atomically. Yields (rows, stats) per shard."""
@@ -151,10 +160,7 @@ def run(cfg: RegenConfig) -> dict:
         bar.update(n)
         bar.set_postfix(tok_s=f"{tokens / max(time.time() - t0, 1e-9):,.0f}")
 
-    parts: list[dict[int, dict[int, list[Job]]]] = [{} for _ in range(world)]  # per worker: group -> shards
-    for k, v in sorted(todo.items()):
-        r, g = group_of(cfg, k, world)
-        parts[r].setdefault(g, {})[k] = v
+    parts = deal(cfg, todo, world)
     try:
         if todo:
             run_workers(_worker, [(cfg, d, parts[r], sources, target_id) for r, d in enumerate(devices)], on_message)

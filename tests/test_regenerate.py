@@ -141,7 +141,7 @@ def test_shards_are_decoded_in_groups_of_whole_batches(tiny, data, tmp_path):
     """The engine gets a group's prompts at once (at least four batches), not one small shard at a
     time; every shard is still its own file, every source row in it once, in order."""
     from regenerate.jobs import Reply, read_jobs
-    from regenerate.run import group_of, run_group, shard_path
+    from regenerate.run import deal, group_of, run_group, shard_path
 
     class Recorder:  # answers every prompt at once, recording how many it was given
         def __init__(self):
@@ -157,9 +157,7 @@ def test_shards_are_decoded_in_groups_of_whole_batches(tiny, data, tmp_path):
     assert [group_of(c, k) for k in range(17)] == [(0, 0)] * 8 + [(0, 1)] * 8 + [(0, 2)]
     # two GPUs: shards dealt in turn, each worker's own shards grouped
     assert [group_of(c, k, world=2) for k in (0, 1, 15, 16, 17)] == [(0, 0), (1, 0), (1, 0), (0, 1), (1, 1)]
-    groups: dict = {}
-    for j in jobs:
-        groups.setdefault(group_of(c, j.g), {})[j.g] = [j]
+    groups = deal(c, {j.g: [j] for j in jobs}, 1)[0]  # shards of one row: shard k holds row k
     eng, written = Recorder(), []
     for g in groups.values():
         written += [rows for rows, _ in run_group(eng, c, g, sources, "t")]
