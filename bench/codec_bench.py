@@ -4,7 +4,8 @@ MB/s on ONE core, and the cores one GPU needs to keep up with a raw feature rate
     python bench/codec_bench.py STORE [--rate-mbs 460] [--tokens 16384]
 
 Measured on the chunks the store uses (chunk_tokens x layers x hidden), with every codec forced to
-one thread, over the same feature bytes. fp8 rows include the float32 scales in their size.
+one thread, over the same feature bytes (made before the clock starts), the best of --reps passes
+(a shared machine's noise only ever slows a pass). fp8 rows include the float32 scales in their size.
 """
 
 from __future__ import annotations
@@ -26,20 +27,27 @@ from shared.schema import bits_to_bf16, fp8_encode  # noqa: E402
 from shared.store import Store  # noqa: E402
 
 
-def run(chain, chunks):
-    t = time.perf_counter()
-    enc = []
-    for c in chunks:
-        b = c.tobytes()
-        for codec in chain:
-            b = codec.encode(b)
-        enc.append(b)
-    t_enc = time.perf_counter() - t
-    t = time.perf_counter()
-    for b in enc:
-        for codec in reversed(chain):
-            b = codec.decode(b)
-    t_dec = time.perf_counter() - t
+def run(chain, chunks, reps):
+    """(encoded bytes, best encode seconds, best decode seconds); every pass is checked lossless."""
+    raw = [c.tobytes() for c in chunks]
+    t_enc = t_dec = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        enc = []
+        for b in raw:
+            for codec in chain:
+                b = codec.encode(b)
+            enc.append(b)
+        t_enc = min(t_enc, time.perf_counter() - t)
+        t = time.perf_counter()
+        dec = []
+        for b in enc:
+            for codec in reversed(chain):
+                b = codec.decode(b)
+            dec.append(b)
+        t_dec = min(t_dec, time.perf_counter() - t)
+        if not all(np.array_equal(np.frombuffer(d, np.uint8), np.frombuffer(r, np.uint8)) for d, r in zip(dec, raw)):
+            raise SystemExit(f"{chain}: decode did not give back the encoded bytes")
     return sum(len(b) if isinstance(b, bytes) else np.asarray(b).nbytes for b in enc), t_enc, t_dec
 
 
@@ -48,6 +56,7 @@ def main():
     ap.add_argument("store")
     ap.add_argument("--tokens", type=int, default=16384)
     ap.add_argument("--rate-mbs", type=float, default=460.0, help="raw bf16 feature rate to sustain (MB/s)")
+    ap.add_argument("--reps", type=int, default=3, help="passes per codec; the best is reported")
     a = ap.parse_args()
     Blosc.use_threads = False
     numcodecs.blosc.set_nthreads(1)
@@ -74,8 +83,8 @@ def main():
           f"{'cores enc':>10s}{'cores dec':>10s}")
     for prec, chunks, extra in (("bf16", chunks16, 0), ("fp8", chunks8, scale_bytes * tokens // n)):
         for name in TABLE:
-            chain = numcodecs_chain(name, 2 if prec == "bf16" else 1)
-            size, te, td = run(chain, chunks)
+            chain = numcodecs_chain(name, 2 if prec == "bf16" else 1, lay.n_layers * lay.hidden)
+            size, te, td = run(chain, chunks, a.reps)
             size += extra
             enc_mbs, dec_mbs = raw / te / 1e6, raw / td / 1e6  # per raw bf16 byte, so rows compare
             print(f"{prec + '/' + name:24s}{size / tokens:9,.0f}{raw / size:8.2f}{enc_mbs:10,.0f}{dec_mbs:10,.0f}"

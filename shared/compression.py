@@ -27,35 +27,40 @@ from shared.planes import BF16PlanesCodec
 
 @dataclass(frozen=True)
 class Codec:
-    """A codec of the hidden states: its zarr chain (before the crc32c) for an item size, and the
+    """A codec of the hidden states: its zarr chain (before the crc32c) for an item size and the
+    values per token (layers x hidden, the row the window split takes its columns from), and the
     ratio raw/stored measured on real features (BENCHMARKS.md, "The store's codec": SmolLM2-135M
     layers [1, 8, 14, 20, 27]) for bf16 and for fp8 (scales included), rounded down, which
     extraction's size estimate and free-space check use. Everything about a codec is here: the
     shard encoder runs any chain whose steps it knows (`_bytes_step`), and tests/test_store.py
     checks every codec through it against zarr."""
     name: str
-    chain: Callable[[int], tuple]
+    chain: Callable[[int, int], tuple]
     ratio: tuple[float, float]
 
 
 def _blosc(cname: str, level: int):
-    return lambda itemsize: (BloscCodec(cname=cname, clevel=level, shuffle=BloscShuffle.shuffle, typesize=itemsize),)
+    return lambda itemsize, row: (BloscCodec(cname=cname, clevel=level, shuffle=BloscShuffle.shuffle, typesize=itemsize),)
 
 
 # ratios: bf16 hidden states, fp8 bytes (bench/codec_bench.py on the real store, BENCHMARKS.md)
 TABLE = {c.name: c for c in (
-    Codec("zstd1", lambda itemsize: (ZstdCodec(level=1),), (1.23, 1.17)),  # the default
+    # the exponents as 4-bit offsets in a window per (layer, channel), zstd1; sign and mantissa
+    # raw (shared/planes.py); fp8 stores: zstd1
+    Codec("bf16-window", lambda itemsize, row: (BF16PlanesCodec(level=1, split="window", row=row),)
+          if itemsize == 2 else (ZstdCodec(level=1),), (1.47, 1.17)),  # the default
+    Codec("zstd1", lambda itemsize, row: (ZstdCodec(level=1),), (1.23, 1.17)),
     # the exponent plane zstd1, the sign+mantissa plane raw (shared/planes.py); fp8 stores: zstd1
-    Codec("bf16-planes", lambda itemsize: (BF16PlanesCodec(level=1, split="exponent"),) if itemsize == 2 else
+    Codec("bf16-planes", lambda itemsize, row: (BF16PlanesCodec(level=1, split="exponent"),) if itemsize == 2 else
           (ZstdCodec(level=1),), (1.40, 1.17)),
     # zarr's numcodecs Shuffle is a bytes-to-bytes codec: a compressor step, not a filter
-    Codec("shuffle-zstd3", lambda itemsize: (Shuffle(elementsize=itemsize), ZstdCodec(level=3)), (1.33, 1.17)),
+    Codec("shuffle-zstd3", lambda itemsize, row: (Shuffle(elementsize=itemsize), ZstdCodec(level=3)), (1.33, 1.17)),
     # blosc: its SIMD byte shuffle inside
     Codec("blosc-zstd1", _blosc("zstd", 1), (1.23, 1.17)),
     Codec("blosc-zstd3", _blosc("zstd", 3), (1.29, 1.17)),
     Codec("blosc-lz41", _blosc("lz4", 1), (1.07, 1.0)),
-    Codec("lz4", lambda itemsize: (LZ4(),), (1.0, 1.0)),
-    Codec("none", lambda itemsize: (), (1.0, 1.0)),
+    Codec("lz4", lambda itemsize, row: (LZ4(),), (1.0, 1.0)),
+    Codec("none", lambda itemsize, row: (), (1.0, 1.0)),
 )}
 CODECS = tuple(TABLE)
 
@@ -87,12 +92,13 @@ zarr.config.set({"codecs.crc32c": _CRC_KEY})  # the implementation zarr picks fo
 zarr.registry.register_codec(PLANES_NAME, BF16PlanesCodec)
 
 
-def codec_chain(name: str, itemsize: int):
+def codec_chain(name: str, itemsize: int, row: int):
     """(filters, compressors) for a codec name, with a crc32c of each compressed chunk last, so
-    that flipped or truncated bytes are an error when read, never values that decode to garbage."""
+    that flipped or truncated bytes are an error when read, never values that decode to garbage.
+    row: the values per token of the array."""
     if name not in TABLE:
         raise ValueError(f"unknown codec {name!r}; choose one of {CODECS}")
-    return (), (*TABLE[name].chain(itemsize), ThreadedCrc32cCodec())
+    return (), (*TABLE[name].chain(itemsize, row), ThreadedCrc32cCodec())
 
 
 def crc(a: np.ndarray) -> int:
@@ -122,9 +128,9 @@ def numcodec(codec):
     return None
 
 
-def numcodecs_chain(name: str, itemsize: int) -> list:
+def numcodecs_chain(name: str, itemsize: int, row: int) -> list:
     """A codec's chain as numcodecs objects (benchmarks run them one chunk at a time)."""
-    return [numcodec(c) for c in TABLE[name].chain(itemsize)]
+    return [numcodec(c) for c in TABLE[name].chain(itemsize, row)]
 
 
 def _bytes_step(codec):

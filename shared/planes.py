@@ -3,12 +3,21 @@ byte planes, the plane that carries the exponent is zstd-compressed, the other (
 bits, close to random) is stored as it is (docs/DESIGN.md, "The store's codec").
 
 Splits (`split`):
-- "exponent": plane A = the 8 exponent bits, plane B = sign and 7 mantissa bits. Keeps the
-  whole exponent, the only part of a feature with much redundancy, in the compressed plane.
+- "window": plane B = sign and 7 mantissa bits; plane A = each exponent as a 4-bit offset from
+  its column's base (the column's top exponent in the chunk less 14; a column is one position
+  of the `row` values that make one token: layer and channel), two offsets a byte, behind the
+  bases, zstd-compressed. An exponent more than 14 below its column's top (tiny values, zeros)
+  is an escape: code 15 in the plane, its index and exponent in a list. Per column, a real
+  feature's exponent carries ~2.6 bits against ~3.1 over all columns, and zstd's entropy coder
+  sees a byte of two offsets; the plane it compresses is a quarter of the raw bytes, not half,
+  which is what makes this split faster than zstd1 over the raw bytes.
+- "exponent": plane A = the 8 exponent bits, plane B = sign and 7 mantissa bits.
 - "byte": plane A = the high byte (sign, 7 exponent bits), plane B = the low byte.
 
-Encoded chunk: b"BP", a version byte (1), the split (0 byte, 1 exponent), the value count as a
-little-endian uint64, plane A's compressed length as a uint32, plane A (a zstd frame), plane B.
+Encoded chunk: b"BP", a version byte (1), the split (0 byte, 1 exponent, 2 window), the value
+count as a little-endian uint64, plane A's compressed length as a uint32; for "window" then the
+values per row and the escape count (uint32 each); plane A (a zstd frame); for "window" the
+escapes (uint32 indices, then uint8 exponents); plane B.
 
 Two faces, one format: `BF16Planes` is a numcodecs codec (`numcodecs.get_codec({"id":
 "dflash.bf16_planes", ...})`), `BF16PlanesCodec` the zarr v3 bytes-to-bytes codec named
@@ -20,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import struct
+import threading
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -33,8 +43,10 @@ from zarr.core.buffer.cpu import as_numpy_array_wrapper
 from zarr.core.common import parse_named_configuration
 
 NAME = "dflash.bf16_planes"
-SPLITS = ("byte", "exponent")
+SPLITS = ("byte", "exponent", "window")
 _HEAD = struct.Struct("<2sBBQI")  # magic, version, split, values, plane A's compressed length
+_WIN = struct.Struct("<II")  # window split: values per row, escapes
+TOP = 14  # window offsets 0..14 below a column's top exponent; 15 marks an escape
 
 
 def _bytes(buf) -> np.ndarray:
@@ -42,19 +54,112 @@ def _bytes(buf) -> np.ndarray:
     return ensure_contiguous_ndarray(buf).reshape(-1).view(np.uint8)
 
 
+class _Scratch(threading.local):
+    """Work arrays for the window split, one set per thread, kept for the next chunk of the same
+    size: numpy takes a new array over 128 KiB from a fresh mmap, and its page faults cost more
+    than the arithmetic on a feature chunk (measured: the encode ran at half speed without)."""
+
+    def arrays(self, n: int, row: int) -> dict:
+        if getattr(self, "key", None) != (n, row):
+            half = (n + 1) // 2
+            self.key, self.a = (n, row), {
+                "u16": np.empty(n, np.uint16), "u16b": np.empty(n, np.uint16),
+                "nib": np.empty(2 * half, np.uint8), "esc": np.empty(n, np.bool_),
+                "plane": np.empty(row + half, np.uint8), "h1": np.empty(half, np.uint16), "h2": np.empty(half, np.uint16)}
+        return self.a
+
+
+_SCRATCH = _Scratch()
+
+
+def _window_encode(v: np.ndarray, row: int, zstd: Zstd) -> np.ndarray:
+    """The window split's chunk (header to plane B) of the uint16 values `v`."""
+    n = v.size
+    row = row if row and n % row == 0 else n  # a chunk that is not whole rows: one row
+    row = row if n else 0
+    s = _SCRATCH.arrays(n, row)
+    u16, nib, plane = s["u16"], s["nib"], s["plane"]
+    np.right_shift(v, 7, out=u16)
+    np.copyto(nib[:n], u16, casting="unsafe")  # the 8 exponent bits (the sign falls off)
+    if n:
+        e, base = nib[:n].reshape(-1, row), plane[:row]
+        np.maximum(e.max(axis=0), TOP, out=base)
+        base -= TOP  # the column's top exponent is offset 14
+        np.subtract(e, base, out=e)  # below the window wraps around past 14: an escape
+    np.greater(nib[:n], TOP, out=s["esc"])
+    n_esc = int(np.count_nonzero(s["esc"]))
+    if n_esc:
+        idx = np.flatnonzero(s["esc"])
+        nib[idx] = TOP + 1
+    nib[n:] = 0  # an odd count's last, unused offset
+    pairs = nib.view("<u2")  # two offsets (first, second) as one little-endian uint16
+    np.left_shift(pairs, 4, out=s["h1"])
+    np.right_shift(pairs, 8, out=s["h2"])
+    np.bitwise_or(s["h1"], s["h2"], out=s["h1"])  # its low byte: first << 4 | second
+    np.copyto(plane[row:], s["h1"], casting="unsafe")
+    packed = zstd.encode(plane) if plane.size else b""  # (zstd cannot read back an empty frame)
+    # the chunk, with plane B computed in place (a copy of the largest part saved)
+    head = _HEAD.size + _WIN.size
+    m, at = len(packed), head + len(packed) + 5 * n_esc
+    out = np.empty(at + n, np.uint8)
+    out[:head] = np.frombuffer(_HEAD.pack(b"BP", 1, 2, n, m) + _WIN.pack(row, n_esc), np.uint8)
+    out[head:head + m] = np.frombuffer(packed, np.uint8)
+    if n_esc:
+        out[head + m:head + m + 4 * n_esc] = idx.astype("<u4").view(np.uint8)
+        out[head + m + 4 * n_esc:at] = (v[idx] >> 7).astype(np.uint8)  # the escapes' exponents
+    np.bitwise_and(v, 0x807F, out=u16)  # sign (bit 15) and mantissa (bits 0-6)
+    np.right_shift(u16, 8, out=s["u16b"])
+    np.bitwise_or(u16, s["u16b"], out=u16)
+    np.copyto(out[at:], u16, casting="unsafe")  # plane B: the sign at bit 7, the mantissa below
+    return out
+
+
+def _window_decode(a: np.ndarray, esc: np.ndarray, sm: np.ndarray, n: int, row: int, res: np.ndarray):
+    """The uint16 values into `res` from plane A (decompressed), the escapes and plane B."""
+    s = _SCRATCH.arrays(n, row)
+    h1, h2 = s["h1"], s["h2"]
+    np.copyto(h1, a[row:])
+    np.right_shift(h1, 4, out=h2)  # first offsets
+    np.bitwise_and(h1, 15, out=h1)
+    np.left_shift(h1, 8, out=h1)
+    np.bitwise_or(h1, h2, out=h1)  # bytes in order: first, second
+    e = h1.view(np.uint8)[:n]
+    if n:
+        np.add(e.reshape(-1, row), a[:row], out=e.reshape(-1, row))  # wraps like the encoder's subtraction
+    np.copyto(res, e, casting="unsafe")
+    n_esc = esc.size // 5
+    if n_esc:
+        idx = esc[:4 * n_esc].view("<u4")
+        if idx.max() >= n:
+            raise ValueError(f"{NAME}: an escape's index {idx.max()} is past the chunk's {n} values")
+        res[idx] = esc[4 * n_esc:]
+    np.left_shift(res, 7, out=res)
+    u16, u16b = s["u16"], s["u16b"]
+    np.copyto(u16, sm)
+    np.bitwise_and(u16, 0x80, out=u16b)
+    np.left_shift(u16b, 8, out=u16b)
+    np.bitwise_or(res, u16b, out=res)  # the sign
+    np.bitwise_and(u16, 0x7F, out=u16)
+    np.bitwise_or(res, u16, out=res)  # the mantissa
+
+
 class BF16Planes(Codec):
     codec_id = NAME
 
-    def __init__(self, level: int = 1, split: str = "exponent"):
+    def __init__(self, level: int = 1, split: str = "exponent", row: int = 0):
         if split not in SPLITS:
             raise ValueError(f"{NAME}: split must be one of {SPLITS}, not {split!r}")
-        self.level, self.split = int(level), split
+        self.level, self.split, self.row = int(level), split, int(row)
         self._zstd = Zstd(level=self.level)
 
     def encode(self, buf) -> bytes:
         b = _bytes(buf)
         if b.size % 2:
             raise ValueError(f"{NAME}: {b.size} bytes is not a whole number of 16-bit values")
+        if self.split == "window":
+            if b.size // 2 >= 1 << 32:
+                raise ValueError(f"{NAME}: {b.size // 2} values in one chunk; the window split takes < 2**32")
+            return _window_encode(b.view("<u2"), self.row, self._zstd)
         if self.split == "byte":
             pairs = b.reshape(-1, 2)  # little-endian: [low, high]
             a, rest = pairs[:, 1], np.ascontiguousarray(pairs[:, 0])
@@ -71,15 +176,24 @@ class BF16Planes(Codec):
         if len(mv) < _HEAD.size:
             raise ValueError(f"{NAME}: {len(mv)} bytes, shorter than its header")
         magic, version, split, n, m = _HEAD.unpack_from(mv)
-        if magic != b"BP" or version != 1 or split >= len(SPLITS) or len(mv) != _HEAD.size + m + n:
+        start, row, n_esc = _HEAD.size, 0, 0
+        if split == 2 and len(mv) >= _HEAD.size + _WIN.size:
+            row, n_esc = _WIN.unpack_from(mv, _HEAD.size)
+            start += _WIN.size
+        if (magic != b"BP" or version != 1 or split >= len(SPLITS) or len(mv) != start + m + 5 * n_esc + n
+                or (split == 2 and (row == 0 and n or row and n % row))):
             raise ValueError(f"{NAME}: not a chunk of this codec (header {magic!r} v{version} split {split}, "
                              f"{n} values, plane {m} bytes, {len(mv)} bytes in all)")
-        a = np.frombuffer(self._zstd.decode(mv[_HEAD.size:_HEAD.size + m]), dtype=np.uint8)
-        rest = np.frombuffer(mv[_HEAD.size + m:], dtype=np.uint8)
-        if a.size != n:
-            raise ValueError(f"{NAME}: plane A holds {a.size} values, the header says {n}")
+        a = np.frombuffer(self._zstd.decode(mv[start:start + m]) if m else b"", dtype=np.uint8)
+        rest = np.frombuffer(mv[start + m + 5 * n_esc:], dtype=np.uint8)
+        want = row + (n + 1) // 2 if split == 2 else n
+        if a.size != want:
+            raise ValueError(f"{NAME}: plane A holds {a.size} bytes, the header says {want}")
         res = np.empty(2 * n, dtype=np.uint8) if out is None else np.frombuffer(out, dtype=np.uint8)
-        if SPLITS[split] == "byte":
+        if SPLITS[split] == "window":
+            esc = np.frombuffer(mv[start + m:start + m + 5 * n_esc], dtype=np.uint8)
+            _window_decode(a, esc, rest, n, row, res.view("<u2"))
+        elif SPLITS[split] == "byte":
             pairs = res.reshape(-1, 2)
             pairs[:, 0], pairs[:, 1] = rest, a
         else:
@@ -90,7 +204,8 @@ class BF16Planes(Codec):
         return res if out is None else out
 
     def get_config(self):
-        return {"id": NAME, "level": self.level, "split": self.split}
+        cfg = {"id": NAME, "level": self.level, "split": self.split}
+        return {**cfg, "row": self.row} if self.split == "window" else cfg
 
 
 numcodecs.register_codec(BF16Planes)
@@ -103,12 +218,14 @@ class BF16PlanesCodec(BytesBytesCodec):
     is_fixed_size = False
     level: int = 1
     split: str = "exponent"
+    row: int = 0
 
-    def __init__(self, *, level: int = 1, split: str = "exponent"):
+    def __init__(self, *, level: int = 1, split: str = "exponent", row: int = 0):
         if split not in SPLITS:
             raise ValueError(f"{NAME}: split must be one of {SPLITS}, not {split!r}")
         object.__setattr__(self, "level", int(level))
         object.__setattr__(self, "split", split)
+        object.__setattr__(self, "row", int(row))
 
     @classmethod
     def from_dict(cls, data):
@@ -116,11 +233,13 @@ class BF16PlanesCodec(BytesBytesCodec):
         return cls(**cfg)
 
     def to_dict(self):
-        return {"name": NAME, "configuration": {"level": self.level, "split": self.split}}
+        cfg = self.codec.get_config()
+        del cfg["id"]
+        return {"name": NAME, "configuration": cfg}
 
     @cached_property
     def codec(self) -> BF16Planes:
-        return BF16Planes(self.level, self.split)
+        return BF16Planes(self.level, self.split, self.row)
 
     def _encode_sync(self, chunk_bytes, chunk_spec):
         return as_numpy_array_wrapper(self.codec.encode, chunk_bytes, chunk_spec.prototype)

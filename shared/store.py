@@ -76,7 +76,8 @@ def create(where, manifest: Manifest, planning: dict | None = None) -> "StoreWri
         itemsize = np.dtype(dtype).itemsize
         # Big feature chunks keep compression efficient; small per-token arrays get longer chunks.
         chunk = layout.chunk_tokens if name == "features/hidden" else min(S, max(layout.chunk_tokens, 4096))
-        filters, compressors = codec_chain(layout.codec if name == "features/hidden" else "zstd1", itemsize)
+        filters, compressors = codec_chain(layout.codec if name == "features/hidden" else "zstd1", itemsize,
+                                           int(np.prod(shape, dtype=np.int64)))
         root.create_array(name, shape=(layout.capacity, *shape), dtype=dtype,
                           chunks=(chunk, *shape), shards=(S, *shape), filters=filters,
                           compressors=compressors, fill_value=0,
