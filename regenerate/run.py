@@ -177,7 +177,9 @@ def summarize_out(out: Path, skipped: Counter, examples: dict, seconds: float, t
     rows, reasons, total_tokens = 0, Counter(), 0
     skipped, examples = Counter(skipped), dict(examples)
     for f in sorted(out.glob("part-*.jsonl")):
-        for line in f.read_text().splitlines():
+        # rows end at LF only: str.splitlines() would also split inside a row at U+2028, U+2029 or
+        # U+0085, which json.dumps(ensure_ascii=False) leaves raw in the text
+        for line in f.read_text(encoding="utf-8").split("\n")[:-1]:
             meta = json.loads(line)["meta"]
             rows += 1
             reasons.update(meta["finish_reasons"])

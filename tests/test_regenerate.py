@@ -43,7 +43,23 @@ def cfg(tiny, data, out, **kw):
 
 
 def rows_of(out: Path) -> list[dict]:
-    return [json.loads(l) for f in sorted(out.glob("part-*.jsonl")) for l in f.read_text().splitlines()]
+    return [json.loads(l) for f in sorted(out.glob("part-*.jsonl")) for l in f.read_text(encoding="utf-8").split("\n")[:-1]]
+
+
+def test_line_separators_inside_the_text_do_not_split_a_row(tiny, tmp_path):
+    """U+2028, U+2029 and U+0085 are text to JSON (json.dumps(ensure_ascii=False) writes them raw)
+    but line ends to str.splitlines(): the summary once failed on them after every shard was
+    written (6,000 ShareGPT prompts on the H100)."""
+    path = tmp_path / "d.jsonl"
+    odd = {"messages": [{"role": "user", "content": "one\u2028two\u2029three\x85four"}]}
+    path.write_text(json.dumps(odd) + "\n" + json.dumps(tiny["rows"][0]) + "\n", encoding="utf-8")
+    s = run(cfg(tiny, path, tmp_path / "out"))
+    assert s["rows"] == 2 and s["skipped"] == {}
+    rows = rows_of(tmp_path / "out")
+    assert rows[0]["messages"][0]["content"] == "one\u2028two\u2029three\x85four"
+    assert "\u2028" in (tmp_path / "out" / "part-00000.jsonl").read_text(encoding="utf-8")  # raw, as written
+    _, enc, _ = encode_all(str(tmp_path / "out"), tiny["tokenizer"], 512, "truncate", progress=False)
+    assert len(enc) == 2  # and extraction's reader reads both
 
 
 def test_local_engine_writes_a_data_folder_extraction_reads(tiny, data, tmp_path):
