@@ -44,10 +44,12 @@ bundle() {  # the device tool brings back at most 8 files: the small ones in one
 train_bg() {  # name: a background training that outlives this call; its name says how it trains
     # ({data|regen}-{1|3|5}[-fp8][-argmax|-distill][-init], bench/real_table.py parse_run)
     local name=$1 spec; spec=$(python3 bench/real_table.py --train-args $name) || exit 2
-    setsid nohup bash -c "python3 -m train --store $spec --out /tmp/r/$name --gpus 0 --mask-token-id 0 \
+    # in a subshell, so the training is no child of this shell: a later `wait` (for the extractions)
+    # must not wait for it (it did: the regenerated runs started only when the dataset runs ended)
+    (setsid nohup bash -c "python3 -m train --store $spec --out /tmp/r/$name --gpus 0 --mask-token-id 0 \
         --seq-len 4096 --max-anchors $ANCHORS --max-steps $STEPS --lr 3e-3 --log-every 50 --eval-every $EVAL_EVERY \
         --save-every $EVAL_EVERY --eval-samples 64 --workers ${WORKERS:-2} --no-progress > /tmp/log/train-$name.log 2>&1; \
-        echo \$? > /tmp/r/$name.rc" > /dev/null 2>&1 &
+        echo \$? > /tmp/r/$name.rc" > /dev/null 2>&1 &)
 }
 check_wheels() {  # what extraction and evaluation import: a missing wheel stops the call here, not after the trainings
     python3 -c "import zarr, numcodecs, gguf, fla; from shared.named_data import named_path as p; p('mt-bench'); p('humaneval')" \
