@@ -122,7 +122,7 @@ data)
         stamp "extracted $name: rc $?"; tail -n 2 /tmp/log/extract-$name.log
     }
     # each store only when a run reads it (or DECODE_ONLY asks for the regeneration)
-    needs data && ext data $DATA 1,14,27 &
+    needs data && ext data $DATA 1,8,14,15,20,27 &
     needs data-fp8 && ext data-fp8 $DATA 1,14,27 --precision fp8 &
     if needs regen || needs regen-fp8 || [ -n "${DECODE_ONLY:-}" ]; then
         stamp "regenerate $ROWS first turns (greedy, batch $REGEN_BATCH), beside the dataset answers' extraction"

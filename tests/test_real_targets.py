@@ -147,6 +147,21 @@ def test_gpu_inputs_keep_the_first_pair_of_records_that_begin_with_one(tmp_path)
     assert [r["id"] for r in sharegpt_first_pairs(f, 1)] == ["r0"]
 
 
+def test_gpu_run_names_say_how_each_drafter_trains():
+    """bench/real_gpu.sh trains from these names and bench/real_table.py reads them back: the
+    store, the draft layers, the labels and the start; fp8 stores keep 3 layers' targets only."""
+    import sys
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from real_table import parse_run
+    r = parse_run("data-5-distill-init")
+    assert r["store"] == "/tmp/s/data" and r["args"] == "--draft-layers 5 --labels distill --init-from-target"
+    assert parse_run("regen-3-fp8")["store"] == "/tmp/s/regen-fp8"
+    assert parse_run("data-1")["args"] == "--draft-layers 1 --labels data"
+    for bad in ("data-5-fp8", "data-2", "regen-3-init-fp8", "lookup"):
+        with pytest.raises(ValueError, match="expected"):
+            parse_run(bad)
+
+
 def test_prompt_set_rows_become_user_turns(tmp_path):
     mt = {"question_id": 81, "category": "writing", "turns": ["Write a poem.", "Now shorter."]}
     he = {"task_id": "HumanEval/0", "prompt": "def add(a, b):\n    \"\"\"Sum.\"\"\"\n", "entry_point": "add"}
