@@ -3,9 +3,9 @@ byte planes, the plane that carries the exponent is zstd-compressed, the other (
 bits, close to random) is stored as it is (docs/DESIGN.md, "The store's codec").
 
 Splits (`split`):
-- "window": plane B = sign and 7 mantissa bits; plane A = each exponent as a 4-bit offset from
-  its column's base (the column's top exponent in the chunk less 14; a column is one position
-  of the `row` values that make one token: layer and channel), two offsets a byte, behind the
+- "window": plane B = sign and 7 mantissa bits; plane A = each exponent as a 4-bit offset above
+  its column's base (the column's top exponent in the chunk less 14, at least 0; a column is one
+  position of the `row` values that make one token: layer and channel), two offsets a byte, behind the
   bases, zstd-compressed. An exponent more than 14 below its column's top (tiny values, zeros)
   is an escape: code 15 in the plane, its index and exponent in a list. Per column, a real
   feature's exponent carries ~2.6 bits against ~3.1 over all columns, and zstd's entropy coder
@@ -46,7 +46,7 @@ NAME = "dflash.bf16_planes"
 SPLITS = ("byte", "exponent", "window")
 _HEAD = struct.Struct("<2sBBQI")  # magic, version, split, values, plane A's compressed length
 _WIN = struct.Struct("<II")  # window split: values per row, escapes
-TOP = 14  # window offsets 0..14 below a column's top exponent; 15 marks an escape
+TOP = 14  # window offsets 0..14 above the base (a column's top exponent - 14); 15 marks an escape
 
 
 def _bytes(buf) -> np.ndarray:
