@@ -63,8 +63,8 @@ class _Scratch(threading.local):
         if getattr(self, "key", None) != (n, row):
             half = (n + 1) // 2
             self.key, self.a = (n, row), {
-                "u16": np.empty(n, np.uint16), "u16b": np.empty(n, np.uint16),
-                "nib": np.empty(2 * half, np.uint8), "esc": np.empty(n, np.bool_),
+                "u16": np.empty(n, np.uint16),
+                "nib": np.empty(2 * half, np.uint8), "b8": np.empty(n, np.uint8),
                 "plane": np.empty(row + half, np.uint8), "h1": np.empty(half, np.uint16), "h2": np.empty(half, np.uint16)}
         return self.a
 
@@ -78,18 +78,19 @@ def _window_encode(v: np.ndarray, row: int, zstd: Zstd) -> np.ndarray:
     row = row if row and n % row == 0 else n  # a chunk that is not whole rows: one row
     row = row if n else 0
     s = _SCRATCH.arrays(n, row)
-    u16, nib, plane = s["u16"], s["nib"], s["plane"]
-    np.right_shift(v, 7, out=u16)
-    np.copyto(nib[:n], u16, casting="unsafe")  # the 8 exponent bits (the sign falls off)
+    nib, plane, b8 = s["nib"], s["plane"], s["b8"]
+    np.right_shift(v, 7, out=nib[:n], casting="unsafe")  # the 8 exponent bits (the cast drops the sign)
+    idx, exps = np.zeros(0, np.int64), np.zeros(0, np.uint8)
     if n:
         e, base = nib[:n].reshape(-1, row), plane[:row]
         np.maximum(e.max(axis=0), TOP, out=base)
         base -= TOP  # the column's top exponent is offset 14
-        np.subtract(e, base, out=e)  # below the window wraps around past 14: an escape
-    np.greater(nib[:n], TOP, out=s["esc"])
-    n_esc = int(np.count_nonzero(s["esc"]))
-    if n_esc:
-        idx = np.flatnonzero(s["esc"])
+        # escapes: exponents below their column's base, looked for only in the columns that have any
+        cols = np.flatnonzero(e.min(axis=0) < base)
+        if cols.size:
+            r, c = np.nonzero(e[:, cols] < base[cols])
+            idx, exps = r * row + cols[c], e[r, cols[c]]  # in flat order, as the rows are
+        np.subtract(e, base, out=e)
         nib[idx] = TOP + 1
     nib[n:] = 0  # an odd count's last, unused offset
     pairs = nib.view("<u2")  # two offsets (first, second) as one little-endian uint16
@@ -99,25 +100,25 @@ def _window_encode(v: np.ndarray, row: int, zstd: Zstd) -> np.ndarray:
     np.copyto(plane[row:], s["h1"], casting="unsafe")
     packed = zstd.encode(plane) if plane.size else b""  # (zstd cannot read back an empty frame)
     # the chunk, with plane B computed in place (a copy of the largest part saved)
-    head = _HEAD.size + _WIN.size
-    m, at = len(packed), head + len(packed) + 5 * n_esc
+    head, m, n_esc = _HEAD.size + _WIN.size, len(packed), idx.size
+    at = head + m + 5 * n_esc
     out = np.empty(at + n, np.uint8)
     out[:head] = np.frombuffer(_HEAD.pack(b"BP", 1, 2, n, m) + _WIN.pack(row, n_esc), np.uint8)
     out[head:head + m] = np.frombuffer(packed, np.uint8)
-    if n_esc:
-        out[head + m:head + m + 4 * n_esc] = idx.astype("<u4").view(np.uint8)
-        out[head + m + 4 * n_esc:at] = (v[idx] >> 7).astype(np.uint8)  # the escapes' exponents
-    np.bitwise_and(v, 0x807F, out=u16)  # sign (bit 15) and mantissa (bits 0-6)
-    np.right_shift(u16, 8, out=s["u16b"])
-    np.bitwise_or(u16, s["u16b"], out=u16)
-    np.copyto(out[at:], u16, casting="unsafe")  # plane B: the sign at bit 7, the mantissa below
+    out[head + m:head + m + 4 * n_esc] = idx.astype("<u4").view(np.uint8)
+    out[head + m + 4 * n_esc:at] = exps
+    pb = out[at:]  # plane B: the sign at bit 7, the mantissa below
+    np.right_shift(v, 8, out=pb, casting="unsafe")
+    np.bitwise_and(pb, 0x80, out=pb)
+    np.bitwise_and(v, 0x7F, out=b8, casting="unsafe")
+    np.bitwise_or(pb, b8, out=pb)
     return out
 
 
 def _window_decode(a: np.ndarray, esc: np.ndarray, sm: np.ndarray, n: int, row: int, res: np.ndarray):
     """The uint16 values into `res` from plane A (decompressed), the escapes and plane B."""
     s = _SCRATCH.arrays(n, row)
-    h1, h2 = s["h1"], s["h2"]
+    h1, h2, b8 = s["h1"], s["h2"], s["b8"]
     np.copyto(h1, a[row:])
     np.right_shift(h1, 4, out=h2)  # first offsets
     np.bitwise_and(h1, 15, out=h1)
@@ -126,21 +127,19 @@ def _window_decode(a: np.ndarray, esc: np.ndarray, sm: np.ndarray, n: int, row: 
     e = h1.view(np.uint8)[:n]
     if n:
         np.add(e.reshape(-1, row), a[:row], out=e.reshape(-1, row))  # wraps like the encoder's subtraction
-    np.copyto(res, e, casting="unsafe")
     n_esc = esc.size // 5
     if n_esc:
         idx = esc[:4 * n_esc].view("<u4")
         if idx.max() >= n:
             raise ValueError(f"{NAME}: an escape's index {idx.max()} is past the chunk's {n} values")
-        res[idx] = esc[4 * n_esc:]
-    np.left_shift(res, 7, out=res)
-    u16, u16b = s["u16"], s["u16b"]
-    np.copyto(u16, sm)
-    np.bitwise_and(u16, 0x80, out=u16b)
-    np.left_shift(u16b, 8, out=u16b)
-    np.bitwise_or(res, u16b, out=res)  # the sign
-    np.bitwise_and(u16, 0x7F, out=u16)
-    np.bitwise_or(res, u16, out=res)  # the mantissa
+        e[idx] = esc[4 * n_esc:]
+    u16 = np.uint16
+    np.left_shift(e, u16(7), out=res, dtype=u16)  # the exponent
+    np.bitwise_and(sm, 0x7F, out=b8)
+    np.bitwise_or(res, b8, out=res)  # the mantissa
+    np.bitwise_and(sm, 0x80, out=b8)
+    np.left_shift(b8, u16(8), out=s["u16"], dtype=u16)
+    np.bitwise_or(res, s["u16"], out=res)  # the sign
 
 
 class BF16Planes(Codec):
