@@ -129,7 +129,7 @@ data)
         timeout ${REGEN_S:-200} python3 -m regenerate --data $DATA --max-rows $ROWS --target $T --out /tmp/d/regen --gpus 0 \
             --batch-size $REGEN_BATCH --max-new-tokens 512 --max-prompt-len 2048 --no-progress > /tmp/log/regen.log 2>&1
         stamp "regenerated: rc $?"; tail -n 3 /tmp/log/regen.log
-        cp /tmp/d/regen/part-00000.jsonl $OUT/regen-part-00000.jsonl 2>/dev/null
+        cp /tmp/d/regen/part-00000.jsonl $OUT/regen-part-00000.jsonl 2>/dev/null; cp /tmp/log/regen.log $OUT/ 2>/dev/null
     fi
     wait
     [ -n "${DECODE_ONLY:-}" ] && exit 0

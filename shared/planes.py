@@ -151,7 +151,7 @@ class BF16Planes(Codec):
         self.level, self.split, self.row = int(level), split, int(row)
         self._zstd = Zstd(level=self.level)
 
-    def encode(self, buf) -> bytes:
+    def encode(self, buf):  # bytes, or for the window split a uint8 array (written in place, no copy)
         b = _bytes(buf)
         if b.size % 2:
             raise ValueError(f"{NAME}: {b.size} bytes is not a whole number of 16-bit values")
