@@ -7,7 +7,8 @@ Splits (`split`):
   its column's base (the column's top exponent in the chunk less 14, at least 0; a column is one
   position of the `row` values that make one token: layer and channel), two offsets a byte, behind the
   bases, zstd-compressed. An exponent more than 14 below its column's top (tiny values, zeros)
-  is an escape: code 15 in the plane, its index and exponent in a list. Per column, a real
+  is an escape: code 15 in the plane, its index and exponent in a list. Rows of zeros at the
+  chunk's end (a unit's unused tail) are not stored. Per column, a real
   feature's exponent carries ~2.6 bits against ~3.1 over all columns, and zstd's entropy coder
   sees a byte of two offsets; the plane it compresses is a quarter of the raw bytes, not half,
   which is what makes this split faster than zstd1 over the raw bytes.
@@ -16,8 +17,9 @@ Splits (`split`):
 
 Encoded chunk: b"BP", a version byte (1), the split (0 byte, 1 exponent, 2 window), the value
 count as a little-endian uint64, plane A's compressed length as a uint32; for "window" then the
-values per row and the escape count (uint32 each); plane A (a zstd frame); for "window" the
-escapes (uint32 indices, then uint8 exponents); plane B.
+values per row, the escape count and the values stored (uint32 each; the values past them are
+zeros); plane A (a zstd frame); for "window" the escapes (uint32 indices, then uint8 exponents);
+plane B.
 
 Two faces, one format: `BF16Planes` is a numcodecs codec (`numcodecs.get_codec({"id":
 "dflash.bf16_planes", ...})`), `BF16PlanesCodec` the zarr v3 bytes-to-bytes codec named
@@ -45,7 +47,7 @@ from zarr.core.common import parse_named_configuration
 NAME = "dflash.bf16_planes"
 SPLITS = ("byte", "exponent", "window")
 _HEAD = struct.Struct("<2sBBQI")  # magic, version, split, values, plane A's compressed length
-_WIN = struct.Struct("<II")  # window split: values per row, escapes
+_WIN = struct.Struct("<III")  # window split: values per row, escapes, values stored
 TOP = 14  # window offsets 0..14 above the base (a column's top exponent - 14); 15 marks an escape
 
 
@@ -77,12 +79,18 @@ def _window_encode(v: np.ndarray, row: int, zstd: Zstd) -> np.ndarray:
     n = v.size
     row = row if row and n % row == 0 else n  # a chunk that is not whole rows: one row
     row = row if n else 0
-    s = _SCRATCH.arrays(n, row)
+    # rows of zeros at the end (a unit's unused tail, a chunk past it) are not stored: plane B
+    # would keep them raw
+    nonzero = v.reshape(-1, row).any(axis=1) if n else np.zeros(0, bool)
+    k = (nonzero.size - int(np.argmax(nonzero[::-1]))) * row if nonzero.any() else 0
+    v = v[:k]
+    s = _SCRATCH.arrays(k, row)
     nib, plane, b8 = s["nib"], s["plane"], s["b8"]
-    np.right_shift(v, 7, out=nib[:n], casting="unsafe")  # the 8 exponent bits (the cast drops the sign)
+    np.right_shift(v, 7, out=nib[:k], casting="unsafe")  # the 8 exponent bits (the cast drops the sign)
     idx, exps = np.zeros(0, np.int64), np.zeros(0, np.uint8)
-    if n:
-        e, base = nib[:n].reshape(-1, row), plane[:row]
+    base = plane[:row]
+    if k:
+        e = nib[:k].reshape(-1, row)
         np.maximum(e.max(axis=0), TOP, out=base)
         base -= TOP  # the column's top exponent is offset 14
         # escapes: exponents below their column's base, looked for only in the columns that have any
@@ -92,7 +100,9 @@ def _window_encode(v: np.ndarray, row: int, zstd: Zstd) -> np.ndarray:
             idx, exps = r * row + cols[c], e[r, cols[c]]  # in flat order, as the rows are
         np.subtract(e, base, out=e)
         nib[idx] = TOP + 1
-    nib[n:] = 0  # an odd count's last, unused offset
+    else:
+        base[:] = 0
+    nib[k:] = 0  # an odd count's last, unused offset
     pairs = nib.view("<u2")  # two offsets (first, second) as one little-endian uint16
     np.left_shift(pairs, 4, out=s["h1"])
     np.right_shift(pairs, 8, out=s["h2"])
@@ -102,21 +112,22 @@ def _window_encode(v: np.ndarray, row: int, zstd: Zstd) -> np.ndarray:
     # the chunk, with plane B computed in place (a copy of the largest part saved)
     head, m, n_esc = _HEAD.size + _WIN.size, len(packed), idx.size
     at = head + m + 5 * n_esc
-    out = np.empty(at + n, np.uint8)
-    out[:head] = np.frombuffer(_HEAD.pack(b"BP", 1, 2, n, m) + _WIN.pack(row, n_esc), np.uint8)
+    out = np.empty(at + k, np.uint8)
+    out[:head] = np.frombuffer(_HEAD.pack(b"BP", 1, 2, n, m) + _WIN.pack(row, n_esc, k), np.uint8)
     out[head:head + m] = np.frombuffer(packed, np.uint8)
     out[head + m:head + m + 4 * n_esc] = idx.astype("<u4").view(np.uint8)
     out[head + m + 4 * n_esc:at] = exps
     pb = out[at:]  # plane B: the sign at bit 7, the mantissa below
     np.right_shift(v, 8, out=pb, casting="unsafe")
     np.bitwise_and(pb, 0x80, out=pb)
-    np.bitwise_and(v, 0x7F, out=b8, casting="unsafe")
-    np.bitwise_or(pb, b8, out=pb)
+    np.bitwise_and(v, 0x7F, out=b8[:k], casting="unsafe")
+    np.bitwise_or(pb, b8[:k], out=pb)
     return out
 
 
 def _window_decode(a: np.ndarray, esc: np.ndarray, sm: np.ndarray, n: int, row: int, res: np.ndarray):
-    """The uint16 values into `res` from plane A (decompressed), the escapes and plane B."""
+    """The first n uint16 values of `res` (the stored ones) from plane A (decompressed), the
+    escapes and plane B; the caller zeroes the rest."""
     s = _SCRATCH.arrays(n, row)
     h1, h2, b8 = s["h1"], s["h2"], s["b8"]
     np.copyto(h1, a[row:])
@@ -175,23 +186,24 @@ class BF16Planes(Codec):
         if len(mv) < _HEAD.size:
             raise ValueError(f"{NAME}: {len(mv)} bytes, shorter than its header")
         magic, version, split, n, m = _HEAD.unpack_from(mv)
-        start, row, n_esc = _HEAD.size, 0, 0
+        start, row, n_esc, k = _HEAD.size, 0, 0, n  # k: the values stored
         if split == 2 and len(mv) >= _HEAD.size + _WIN.size:
-            row, n_esc = _WIN.unpack_from(mv, _HEAD.size)
+            row, n_esc, k = _WIN.unpack_from(mv, _HEAD.size)
             start += _WIN.size
-        if (magic != b"BP" or version != 1 or split >= len(SPLITS) or len(mv) != start + m + 5 * n_esc + n
-                or (split == 2 and (row == 0 and n or row and n % row))):
+        if (magic != b"BP" or version != 1 or split >= len(SPLITS) or len(mv) != start + m + 5 * n_esc + k
+                or (split == 2 and (k > n or row == 0 and n or row and (n % row or k % row)))):
             raise ValueError(f"{NAME}: not a chunk of this codec (header {magic!r} v{version} split {split}, "
                              f"{n} values, plane {m} bytes, {len(mv)} bytes in all)")
         a = np.frombuffer(self._zstd.decode(mv[start:start + m]) if m else b"", dtype=np.uint8)
         rest = np.frombuffer(mv[start + m + 5 * n_esc:], dtype=np.uint8)
-        want = row + (n + 1) // 2 if split == 2 else n
+        want = row + (k + 1) // 2 if split == 2 else n
         if a.size != want:
             raise ValueError(f"{NAME}: plane A holds {a.size} bytes, the header says {want}")
         res = np.empty(2 * n, dtype=np.uint8) if out is None else np.frombuffer(out, dtype=np.uint8)
         if SPLITS[split] == "window":
             esc = np.frombuffer(mv[start + m:start + m + 5 * n_esc], dtype=np.uint8)
-            _window_decode(a, esc, rest, n, row, res.view("<u2"))
+            _window_decode(a, esc, rest, k, row, res[:2 * k].view("<u2"))
+            res[2 * k:] = 0  # the rows of zeros at the end
         elif SPLITS[split] == "byte":
             pairs = res.reshape(-1, 2)
             pairs[:, 0], pairs[:, 1] = rest, a

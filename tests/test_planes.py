@@ -81,14 +81,18 @@ def features_like(rows=64, layers=3, hidden=40, seed=1):
 
 def window_reference(bits: np.ndarray, row: int):
     """The window split's plane A content and escapes, written out value by value from the rule in
-    shared/planes.py: base = a column's top exponent - 14 (at least 0); offset = exponent - base;
-    an offset outside 0..14 is an escape (code 15, its index and exponent listed)."""
+    shared/planes.py: rows of zeros at the end are dropped; base = a column's top exponent - 14
+    (at least 0); offset = exponent - base; an offset outside 0..14 is an escape (code 15, its
+    index and exponent listed)."""
     flat = [int(b) for b in bits.reshape(-1)]
     n = len(flat)
     row = row if row and n % row == 0 else n
     row = row if n else 0
+    while flat and not any(flat[-row:]):
+        flat = flat[:-row]
+    n = len(flat)
     exps = [(b >> 7) & 0xFF for b in flat]
-    base = [max(max(exps[i] for i in range(c, n, row)) - 14, 0) for c in range(row)]
+    base = [max(max(exps[i] for i in range(c, n, row)) - 14, 0) if n else 0 for c in range(row)]
     codes, esc_idx, esc_exp = [], [], []
     for i, e in enumerate(exps):
         off = e - base[i % row]
@@ -102,28 +106,32 @@ def window_reference(bits: np.ndarray, row: int):
         codes.append(0)
     packed = [codes[i] << 4 | codes[i + 1] for i in range(0, len(codes), 2)]
     plane_b = [((b >> 8) & 0x80) | (b & 0x7F) for b in flat]
-    return row, bytes(base + packed), esc_idx, esc_exp, bytes(plane_b)
+    return row, n, bytes(base + packed), esc_idx, esc_exp, bytes(plane_b)
 
 
-@pytest.mark.parametrize("shape,row", [((64, 3, 40), 120), ((7, 3, 5), 15), ((9, 1, 3), 3), ((5, 1, 1), 4),
-                                       ((0, 1, 1), 4), ((1, 1, 1), 1)])
-def test_the_window_split_is_the_rule_written_out(shape, row):
+@pytest.mark.parametrize("shape,row,zero_rows", [((64, 3, 40), 120, 0), ((64, 3, 40), 120, 20), ((7, 3, 5), 15, 0),
+                                                ((9, 1, 3), 3, 2), ((5, 1, 1), 4, 0), ((0, 1, 1), 4, 0),
+                                                ((1, 1, 1), 1, 0), ((6, 2, 2), 4, 6), ((4, 1, 3), 0, 1)])
+def test_the_window_split_is_the_rule_written_out(shape, row, zero_rows):
     """The encoded chunk against a loop written from the format's description: header, plane A
-    (bases, then two 4-bit offsets a byte), escapes, plane B; a row that does not divide the chunk
-    makes the chunk one row; odd counts pad the last offset."""
+    (bases, then two 4-bit offsets a byte), escapes, plane B; rows of zeros at the end not stored;
+    a row that does not divide the chunk makes the chunk one row; odd counts pad the last offset."""
     import struct
-    bits = features_like(*shape).reshape(-1) if shape[0] else np.zeros(0, np.uint16)
+    bits = features_like(*shape) if shape[0] else np.zeros((0, 1, 1), np.uint16)
+    if zero_rows:
+        bits[-zero_rows:] = 0
+    bits = bits.reshape(-1)
     c = BF16Planes(level=1, split="window", row=row)
     enc = bytes(c.encode(bits))
-    want_row, want_a, esc_idx, esc_exp, want_b = window_reference(bits, row)
+    want_row, want_k, want_a, esc_idx, esc_exp, want_b = window_reference(bits, row)
     magic, version, split, n, m = struct.unpack_from("<2sBBQI", enc)
-    got_row, n_esc = struct.unpack_from("<II", enc, 16)
-    assert (magic, version, split, n, got_row, n_esc) == (b"BP", 1, 2, bits.size, want_row, len(esc_idx))
+    got_row, n_esc, k = struct.unpack_from("<III", enc, 16)
+    assert (magic, version, split, n, got_row, n_esc, k) == (b"BP", 1, 2, bits.size, want_row, len(esc_idx), want_k)
     from numcodecs.zstd import Zstd
-    assert (Zstd(1).decode(enc[24:24 + m]) if m else b"") == want_a
-    esc = enc[24 + m:24 + m + 5 * n_esc]
+    assert (Zstd(1).decode(enc[28:28 + m]) if m else b"") == want_a
+    esc = enc[28 + m:28 + m + 5 * n_esc]
     assert list(np.frombuffer(esc[:4 * n_esc], "<u4")) == esc_idx and list(esc[4 * n_esc:]) == esc_exp
-    assert enc[24 + m + 5 * n_esc:] == want_b
+    assert enc[28 + m + 5 * n_esc:] == want_b
     assert np.array_equal(np.frombuffer(c.decode(enc), np.uint16), bits)
 
 
@@ -155,8 +163,22 @@ def test_a_window_chunk_with_bad_escapes_is_an_error():
     m = struct.unpack_from("<I", enc, 12)[0]
     n_esc = struct.unpack_from("<I", enc, 20)[0]
     assert n_esc > 0  # the zeros and the tiny values beside the huge ones
-    struct.pack_into("<I", enc, 24 + m, 10 ** 6)  # the first escape's index, past the chunk
+    struct.pack_into("<I", enc, 28 + m, 10 ** 6)  # the first escape's index, past the chunk
     with pytest.raises(ValueError, match="past the chunk"):
         c.decode(bytes(enc))
     with pytest.raises(ValueError, match="not a chunk of this codec"):
         c.decode(bytes(enc[:-1]))
+
+
+def test_a_window_chunk_stores_no_rows_of_zeros_at_its_end():
+    """A unit's unused tail: the chunk past it costs a header and a tiny frame, the chunk it ends
+    in only its used rows (plane B would keep zeros raw)."""
+    c = BF16Planes(split="window", row=120)
+    x = features_like(64, 3, 40)
+    half = x.copy()
+    half[32:] = 0
+    zero = np.zeros_like(x)
+    full, part, empty = (len(c.encode(a)) for a in (x, half, zero))
+    assert empty < 200 and part < 0.6 * full
+    for a in (half, zero):
+        assert np.array_equal(np.frombuffer(c.decode(c.encode(a)), np.uint16), a.reshape(-1))
