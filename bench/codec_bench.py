@@ -15,6 +15,7 @@ import argparse
 import os
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numcodecs
 import numpy as np
@@ -28,27 +29,32 @@ from shared.schema import bits_to_bf16, fp8_encode  # noqa: E402
 from shared.store import Store  # noqa: E402
 
 
-def one_pass(chain, raw, check: bool):
+def one_pass(chain, raw, check: bool, pool=None):
     """(encoded bytes, encode seconds, decode seconds) of one pass over the chunks. Encoded chunks
     are kept, as a shard's are until it is written; decoded ones are dropped as they come, as a
-    reader copies each into its batch (kept, every chunk would land on fresh pages). check: an
+    reader copies each into its batch (kept, every chunk would land on fresh pages). pool: the
+    chunks spread over its threads, as extraction's writers and zarr's readers do. check: an
     untimed pass after the timed ones compares every decoded chunk with its raw bytes."""
-    t = time.perf_counter()
-    enc = []
-    for b in raw:
+    def enc_one(b):
         for codec in chain:
             b = codec.encode(b)
-        enc.append(b)
+        return b
+
+    def dec_one(b):
+        for codec in reversed(chain):
+            b = codec.decode(b)
+        return b
+
+    run = pool.map if pool is not None else map
+    t = time.perf_counter()
+    enc = list(run(enc_one, raw))
     t_enc = time.perf_counter() - t
     t = time.perf_counter()
-    for b in enc:
-        for codec in reversed(chain):
-            b = codec.decode(b)
+    for _ in run(dec_one, enc):
+        pass
     t_dec = time.perf_counter() - t
     for b, r in zip(enc, raw) if check else ():
-        for codec in reversed(chain):
-            b = codec.decode(b)
-        if not np.array_equal(np.frombuffer(b, np.uint8), np.frombuffer(r, np.uint8)):
+        if not np.array_equal(np.frombuffer(dec_one(b), np.uint8), np.frombuffer(r, np.uint8)):
             raise SystemExit(f"{chain}: decode did not give back the encoded bytes")
     return sum(len(b) if isinstance(b, bytes) else np.asarray(b).nbytes for b in enc), t_enc, t_dec
 
@@ -61,6 +67,8 @@ def main():
     ap.add_argument("--reps", type=int, default=3, help="passes per codec, the codecs taking turns within "
                     "each round (in a rotating order); the best pass is reported")
     ap.add_argument("--codecs", default=",".join(TABLE), help="comma-separated codecs of the table")
+    ap.add_argument("--threads", type=int, default=1, help="chunks spread over this many threads (rates are "
+                    "then of all threads together): how a codec scales where extraction and the loader run it")
     a = ap.parse_args()
     names = a.codecs.split(",")
     if set(names) - set(TABLE):
@@ -85,16 +93,18 @@ def main():
     raw = sum(c.nbytes for c in chunks16)
     tokens = len(chunks16) * C
     print(f"{a.store}: {tokens:,} tokens x {lay.n_layers} layers x {lay.hidden} hidden, chunks of {C} tokens; "
-          f"raw bf16 {raw / 2**20:.1f} MiB; rate to sustain {a.rate_mbs:.0f} MB/s raw")
+          f"raw bf16 {raw / 2**20:.1f} MiB; rate to sustain {a.rate_mbs:.0f} MB/s raw"
+          + (f"; {a.threads} threads, rates of all together" if a.threads > 1 else ""))
     print(f"{'precision/codec':24s}{'B/token':>9s}{'ratio':>8s}{'enc MB/s':>10s}{'dec MB/s':>10s}"
           f"{'cores enc':>10s}{'cores dec':>10s}")
+    pool = ThreadPoolExecutor(a.threads) if a.threads > 1 else None
     for prec, chunks, extra in (("bf16", chunks16, 0), ("fp8", chunks8, scale_bytes * tokens // n)):
         raw_bytes = [c.tobytes() for c in chunks]  # made before any clock starts
         chains = {name: numcodecs_chain(name, 2 if prec == "bf16" else 1, lay.n_layers * lay.hidden) for name in names}
         best = {name: [0, float("inf"), float("inf")] for name in names}
         for r in range(a.reps):  # a noisy neighbour slows whichever codec runs then: each gets every slot
             for name in names[r % len(names):] + names[:r % len(names)]:
-                size, te, td = one_pass(chains[name], raw_bytes, check=r == 0)
+                size, te, td = one_pass(chains[name], raw_bytes, check=r == 0, pool=pool)
                 b = best[name]
                 b[0], b[1], b[2] = size, min(b[1], te), min(b[2], td)
         for name in names:
