@@ -35,6 +35,12 @@ def shard_path(out: Path, k: int) -> Path:
     return out / f"part-{k:05d}.jsonl"
 
 
+def read_shard(path: Path) -> list[dict]:
+    """A written shard's rows. Rows end at LF only: str.splitlines() would also split inside a
+    row at U+2028, U+2029 or U+0085, which json.dumps(ensure_ascii=False) leaves raw in the text."""
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").split("\n")[:-1]]
+
+
 def group_of(cfg: RegenConfig, k: int, world: int = 1) -> tuple[int, int]:
     """(worker, group) of shard k: the shards are dealt to the workers in turn, and each worker
     decodes its consecutive shards in groups holding at least four batches of rows. Fixed by the
@@ -177,10 +183,8 @@ def summarize_out(out: Path, skipped: Counter, examples: dict, seconds: float, t
     rows, reasons, total_tokens = 0, Counter(), 0
     skipped, examples = Counter(skipped), dict(examples)
     for f in sorted(out.glob("part-*.jsonl")):
-        # rows end at LF only: str.splitlines() would also split inside a row at U+2028, U+2029 or
-        # U+0085, which json.dumps(ensure_ascii=False) leaves raw in the text
-        for line in f.read_text(encoding="utf-8").split("\n")[:-1]:
-            meta = json.loads(line)["meta"]
+        for row in read_shard(f):
+            meta = row["meta"]
             rows += 1
             reasons.update(meta["finish_reasons"])
             total_tokens += meta["new_tokens"]

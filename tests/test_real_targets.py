@@ -188,7 +188,7 @@ def test_a_dense_target_regenerates_the_same_turns_with_the_static_decoder_as_wi
     """The regeneration stage end to end, both decoders, multi-turn rows (each turn after the
     regenerated earlier ones) batched by length: the same rows."""
     from regenerate.config import RegenConfig
-    from regenerate.run import run
+    from regenerate.run import read_shard, run
     d = tmp_path / "d.jsonl"
     rows = tiny["rows"][:6] + [{"turns": ["first?", "and a second question?"]}]
     d.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -197,7 +197,7 @@ def test_a_dense_target_regenerates_the_same_turns_with_the_static_decoder_as_wi
         out = tmp_path / decoder
         run(RegenConfig(data=str(d), out=str(out), target=str(llama), decoder=decoder, turns="all",
                         max_new_tokens=16, batch_size=3, progress=False))
-        outs[decoder] = [json.loads(line) for f in sorted(out.glob("part-*.jsonl")) for line in f.read_text().splitlines()]
+        outs[decoder] = [r for f in sorted(out.glob("part-*.jsonl")) for r in read_shard(f)]
     assert len(outs["static"]) == 7
     assert [r["messages"] for r in outs["static"]] == [r["messages"] for r in outs["generate"]]
     assert outs["static"][0]["meta"]["generation"]["decoder"] == "static"

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from regenerate.config import RegenConfig, RegenError
-from regenerate.run import run
+from regenerate.run import read_shard, run
 from shared.data import encode_all
 
 REPO = Path(__file__).resolve().parents[1]
@@ -43,7 +43,7 @@ def cfg(tiny, data, out, **kw):
 
 
 def rows_of(out: Path) -> list[dict]:
-    return [json.loads(l) for f in sorted(out.glob("part-*.jsonl")) for l in f.read_text(encoding="utf-8").split("\n")[:-1]]
+    return [r for f in sorted(out.glob("part-*.jsonl")) for r in read_shard(f)]
 
 
 def test_line_separators_inside_the_text_do_not_split_a_row(tiny, tmp_path):
@@ -179,7 +179,7 @@ def test_shards_are_decoded_in_groups_of_whole_batches(tiny, data, tmp_path):
         written += [rows for rows, _ in run_group(eng, c, g, sources, "t")]
     assert eng.calls == [8, 4] and written == [1] * 12   # 12 usable rows (one broken): 8, then 4, 1 a shard
     for j in jobs:  # one file per shard, holding its row
-        assert [json.loads(l)["meta"]["source"]["row"] for l in shard_path(Path(c.out), j.g).read_text().splitlines()] \
+        assert [r["meta"]["source"]["row"] for r in read_shard(shard_path(Path(c.out), j.g))] \
             == [j.row]
 
 
