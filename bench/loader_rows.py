@@ -1,8 +1,10 @@
 """Rows per second of the training loader's dataset on an existing store, in this process (one
 loader worker's rate): `python bench/loader_rows.py STORE [--seq-len 1024] [--rows 20] [--distill]`.
 
-A worker reads each packed row's samples through zarr and assembles the row; small drafters
-(hidden 576) train faster than one worker reads, so this rate times --workers bounds a step.
+A worker reads each packed row's samples straight from the shards (shared/shards.py) and
+assembles the row; small drafters (hidden 576) train faster than one worker reads, so this rate
+times --workers bounds a step. The same rows read through zarr (the reader switched off), runs
+alternated, are the baseline printed beside it.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import argparse
 import time
 
+from shared.shards import ShardReader
 from shared.store import Store
 from train.loader import EpochPlan, RowDataset, RowSpec
 
@@ -25,19 +28,28 @@ def main():
     a = ap.parse_args()
     s = Store(a.store)
     rows = EpochPlan(s, a.seq_len, 0, 0, 1).rows(0)
-    ds = RowDataset(a.store, rows, RowSpec(tuple(s.layer_ids), a.seq_len, a.anchors, 0, a.distill), 0)
-    n = min(len(ds), a.rows)
-    ds[0]  # opens the store and its arrays
-    best = float("inf")
-    for _ in range(a.repeat):
-        t = time.perf_counter()
-        for j in range(n):
-            ds[j]
-        best = min(best, (time.perf_counter() - t) / n)
-    print(f"{a.store}: {len(s.layer_ids)} layers x {s.layout.hidden}, rows of {a.seq_len} tokens"
-          f"{' with log-probabilities' if a.distill else ''}: {best * 1e3:.1f} ms/row, {a.seq_len / best:,.0f} "
-          f"tokens/s per worker (best of {a.repeat} x {n} rows)")
-
+    spec = RowSpec(tuple(s.layer_ids), a.seq_len, a.anchors, 0, a.distill)
+    direct = RowDataset(a.store, rows, spec, 0)
+    direct[0]  # opens the store, its arrays and its shard readers
+    make = ShardReader.for_array
+    ShardReader.for_array = classmethod(lambda cls, loc, name, arr: None)  # the baseline: zarr reads it all
+    via_zarr = RowDataset(a.store, rows, spec, 0)
+    via_zarr[0]
+    ShardReader.for_array = make
+    n = min(len(direct), a.rows)
+    best = {"shards": float("inf"), "zarr": float("inf")}
+    for _ in range(a.repeat):  # alternated, so that a busy neighbour slows both
+        for name, ds in (("shards", direct), ("zarr", via_zarr)):
+            t = time.perf_counter()
+            for j in range(n):
+                ds[j]
+            best[name] = min(best[name], (time.perf_counter() - t) / n)
+    for name, b in best.items():
+        print(f"{a.store} ({'straight from the shards' if name == 'shards' else 'through zarr'}): "
+              f"{len(s.layer_ids)} layers x {s.layout.hidden}, rows of {a.seq_len} tokens"
+              f"{' with log-probabilities' if a.distill else ''}: {b * 1e3:.1f} ms/row, {a.seq_len / b:,.0f} "
+              f"tokens/s per worker (best of {a.repeat} x {n} rows)")
+    print(f"straight from the shards: {best['zarr'] / best['shards']:.2f}x the rows per second through zarr")
 
 if __name__ == "__main__":
     main()

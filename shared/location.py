@@ -57,6 +57,14 @@ class Location(abc.ABC):
         """The object's bytes, None if absent."""
 
     @abc.abstractmethod
+    def read_range(self, key: str, start: int, end: int) -> bytes:
+        """Bytes start:end of an object that exists (the loader's chunks of a shard)."""
+
+    @abc.abstractmethod
+    def read_tail(self, key: str, n: int) -> bytes | None:
+        """The object's last n bytes (all of it if shorter), None if absent (a shard's index)."""
+
+    @abc.abstractmethod
     def write(self, key: str, data: "bytes | Iterable[bytes]"):
         """The whole object appears at once (pieces are written one after another), or not at all."""
 
@@ -142,6 +150,24 @@ class LocalLocation(Location):
             return self._p(key).read_bytes()
         except (FileNotFoundError, NotADirectoryError):
             return None
+
+    def read_range(self, key: str, start: int, end: int) -> bytes:
+        fd = os.open(self._p(key), os.O_RDONLY)
+        try:
+            return os.pread(fd, end - start, start)
+        finally:
+            os.close(fd)
+
+    def read_tail(self, key: str, n: int) -> bytes | None:
+        try:
+            fd = os.open(self._p(key), os.O_RDONLY)
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        try:
+            size = os.fstat(fd).st_size
+            return os.pread(fd, min(n, size), max(0, size - n))
+        finally:
+            os.close(fd)
 
     def _staged(self, key: str, data: "bytes | Iterable[bytes]") -> tuple[Path, Path]:
         """(the key's path, a temporary file beside it holding data): renamed or linked into place."""
@@ -287,6 +313,15 @@ class ObjectLocation(Location):
     def read(self, key: str) -> bytes | None:
         got = self.read_versioned(key)
         return None if got is None else got[0]
+
+    def read_range(self, key: str, start: int, end: int) -> bytes:
+        return bytes(self._obs.get_range(self.store, key, start=start, end=end))
+
+    def read_tail(self, key: str, n: int) -> bytes | None:
+        try:
+            return bytes(self._obs.get(self.store, key, options={"range": {"suffix": n}}).bytes())
+        except FileNotFoundError:
+            return None
 
     def read_versioned(self, key: str):
         try:

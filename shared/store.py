@@ -35,6 +35,7 @@ from shared.compression import ShardEncoder, ThreadedCrc32cCodec, codec_chain, c
 from shared.location import as_location
 from shared.schema import (FORMAT_VERSION, INDEX_ARRAYS, Layout, Manifest, StoreError, bits_to_bf16,
                            fp8_decode)
+from shared.shards import ShardReader
 
 PLANNING = "dflash_planning"   # zarr.json attribute of a store whose plan is being written
 CLAIMS, PROGRESS = "_claims", "_progress"
@@ -269,6 +270,7 @@ class Store:
                              f"written); rerun the same extract command to finish it")
         self.layer_ids: list[int] = list(self.manifest.layer_ids)
         self._arr = {}
+        self._readers: dict[str, ShardReader | None] = {}
         self._index_cache: dict[tuple[str, int], np.ndarray] = {}
 
     def __len__(self) -> int:
@@ -278,6 +280,15 @@ class Store:
         if name not in self._arr:
             self._arr[name] = self.root[name]
         return self._arr[name]
+
+    def rows(self, name: str, lo: int, hi: int) -> np.ndarray:
+        """Token rows lo:hi of a token-axis array, read straight from its shards where the shard
+        reader knows the array (shared/shards.py: a third of zarr's time per sample), else
+        through zarr."""
+        if name not in self._readers:
+            self._readers[name] = ShardReader.for_array(self.loc, name, self.array(name))
+        r = self._readers[name]
+        return r.read(lo, hi) if r is not None else self.array(name)[lo:hi]
 
     def _index(self, name: str, i: int) -> int:
         arr = self.array(name)
@@ -331,26 +342,25 @@ class Store:
         does not distill (each read costs ~3 ms of zarr's pipeline; 1.19x the rows per second)."""
         lo, hi = self.span(i)
         pos = self.layer_positions(layer_ids)
-        ids, mask = self.array("tokens/input_ids")[lo:hi], self.array("tokens/loss_mask")[lo:hi]
+        ids, mask = self.rows("tokens/input_ids", lo, hi), self.rows("tokens/loss_mask", lo, hi)
         hidden = torch.empty(0)
         if features:
             full = len(pos) == self.layout.n_layers and pos == sorted(pos)
-            sel = slice(None) if full else pos
-            raw = self.array("features/hidden")[lo:hi] if full else \
-                self.array("features/hidden").get_orthogonal_selection((slice(lo, hi), sel, slice(None)))
+            raw = self.rows("features/hidden", lo, hi)  # whole chunks are decoded either way
+            raw = raw if full else np.ascontiguousarray(raw[:, pos])
             if self.layout.precision == "bf16":
                 hidden = bits_to_bf16(raw)
             else:
-                scale = torch.from_numpy(self.array("features/scale")[lo:hi][:, pos])
+                scale = torch.from_numpy(self.rows("features/scale", lo, hi)[:, pos])
                 hidden = fp8_decode(torch.from_numpy(raw), scale) if decode else torch.from_numpy(raw)
         sample = Sample(
             input_ids=torch.from_numpy(ids.astype(np.int64)),
             loss_mask=torch.from_numpy(mask.astype(bool)),
             hidden=hidden,
-            topk_idx=torch.from_numpy(self.array("logits/topk_idx")[lo:hi].astype(np.int64)),
-            topk_logp=torch.from_numpy(self.array("logits/topk_logp")[lo:hi].astype(np.float32)) if logprobs
+            topk_idx=torch.from_numpy(self.rows("logits/topk_idx", lo, hi).astype(np.int64)),
+            topk_logp=torch.from_numpy(self.rows("logits/topk_logp", lo, hi).astype(np.float32)) if logprobs
             else torch.empty(0),
-            lse=torch.from_numpy(self.array("logits/lse")[lo:hi]) if logprobs else torch.empty(0),
+            lse=torch.from_numpy(self.rows("logits/lse", lo, hi)) if logprobs else torch.empty(0),
         )
         if features and not decode and self.layout.precision == "fp8":
             sample.scale = scale

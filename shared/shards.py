@@ -1,0 +1,147 @@
+"""Token rows of a sharded array read straight from its shards: the reading counterpart of
+compression.ShardEncoder, for the training loader.
+
+zarr reads a slice through its event-loop thread and decodes each inner chunk on a thread of its
+own; a loader worker's one sample (a few hundred tokens) cost 9-12 ms that way against 3 ms read
+and decoded here (bench/loader_rows.py, BENCHMARKS.md). Here the shard's index (at its end) is
+read once and cached, the chunks a slice needs are fetched in one ranged read, checked against
+their crc32c and decoded in the calling thread: a loader worker is a process, so its decoding
+shares no interpreter lock with other workers (a numpy codec loses most of its speed when threads
+share one: BENCHMARKS.md, "Eighth session").
+
+for_array() is None for an array this does not know how to read (no sharding, the index at the
+start, chunks split along more than the token axis, a codec step it does not know); the store
+then reads it through zarr. tests/test_shards.py checks every codec and every kind of slice
+against zarr's own read.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections import OrderedDict
+
+import google_crc32c
+import numpy as np
+import zarr
+from zarr.codecs import BytesCodec, Crc32cCodec, ShardingCodec
+from zarr.codecs.sharding import ShardingCodecIndexLocation
+
+from shared.compression import numcodec
+from shared.location import Location
+
+
+class DamagedShard(ValueError):
+    """Bytes of a shard that do not match their checksum or their index. Not a StoreError: the
+    loader names the sample, unit and source row it was reading around it (train/loader.py)."""
+
+
+_EMPTY = np.uint64(2**64 - 1)  # an index entry of a chunk never written (zarr: offset and length all ones)
+
+
+def _crc_ok(b: memoryview) -> bool:
+    # (google_crc32c takes a numpy view of the bytes without a copy, not a memoryview slice)
+    return google_crc32c.value(np.frombuffer(b[:-4], np.uint8)) == int.from_bytes(b[-4:], "little")
+
+
+class ShardReader:
+    """Rows of one sharded array whose shards split only the token axis."""
+
+    def __init__(self, loc: Location, name: str, arr: zarr.Array, chunk_rows: int, decoders: list):
+        self.loc, self.name = loc, name
+        self.shard_rows, self.chunk_rows = arr.metadata.chunk_grid.chunk_shape[0], chunk_rows
+        self.n_chunks = self.shard_rows // chunk_rows
+        self.row_shape, self.dtype, self.rows = tuple(arr.shape[1:]), arr.dtype, arr.shape[0]
+        self.fill = arr.metadata.fill_value
+        self.chunk_bytes = chunk_rows * int(np.prod(self.row_shape, dtype=np.int64)) * self.dtype.itemsize
+        self.decoders = decoders  # inner compressors, last applied first
+        encode_key = arr.metadata.encode_chunk_key
+        self.shard_key = lambda shard: f"{name}/{encode_key((shard,) + (0,) * len(self.row_shape))}"
+        self._indexes: OrderedDict[int, np.ndarray | None] = OrderedDict()  # shard -> (n_chunks, 2) uint64
+        self._lock = threading.Lock()  # the loader reads a row's samples on threads on object storage
+
+    @classmethod
+    def for_array(cls, loc: Location, name: str, arr: zarr.Array) -> "ShardReader | None":
+        codecs = arr.metadata.codecs
+        if len(codecs) != 1 or not isinstance(codecs[0], ShardingCodec) or sys.byteorder != "little":
+            return None
+        sh = codecs[0]
+        shard, inner = arr.metadata.chunk_grid.chunk_shape, sh.chunk_shape
+        index_ok = (sh.index_location == ShardingCodecIndexLocation.end and len(sh.index_codecs) == 2
+                    and isinstance(sh.index_codecs[0], BytesCodec) and isinstance(sh.index_codecs[1], Crc32cCodec))
+        first, *rest = sh.codecs
+        little = isinstance(first, BytesCodec) and (first.endian is None or first.endian.value == "little")
+        if not (index_ok and little and rest and isinstance(rest[-1], Crc32cCodec)
+                and tuple(shard[1:]) == tuple(inner[1:]) == tuple(arr.shape[1:]) and shard[0] % inner[0] == 0):
+            return None
+        decoders = [numcodec(c) for c in rest[:-1]]
+        if any(d is None for d in decoders):
+            return None
+        return cls(loc, name, arr, inner[0], decoders[::-1])
+
+    def _where(self, shard: int) -> str:
+        return f"{self.loc}: {self.name}, shard {shard}"
+
+    def _index(self, shard: int) -> np.ndarray | None:
+        """The shard's (offset, length) per chunk; None for a shard never written (all fill)."""
+        with self._lock:
+            if shard in self._indexes:
+                self._indexes.move_to_end(shard)
+                return self._indexes[shard]
+        n = self.n_chunks * 16 + 4
+        raw = self.loc.read_tail(self.shard_key(shard), n)
+        if raw is None:
+            index = None
+        else:
+            if len(raw) != n or not _crc_ok(memoryview(raw)):
+                raise DamagedShard(f"{self._where(shard)}: its index is damaged (crc32c or length); re-extract this unit")
+            index = np.frombuffer(raw, "<u8", count=2 * self.n_chunks).reshape(-1, 2)
+        with self._lock:
+            self._indexes[shard] = index
+            if len(self._indexes) > 64:
+                self._indexes.popitem(last=False)
+        return index
+
+    def _decode(self, b: memoryview, shard: int, chunk: int) -> np.ndarray:
+        if len(b) < 4 or not _crc_ok(b):
+            raise DamagedShard(f"{self._where(shard)}, chunk {chunk}: crc32c mismatch (damaged bytes); "
+                               f"re-extract this unit")
+        out = b[:-4]
+        for d in self.decoders:
+            out = d.decode(out)
+        a = np.frombuffer(out, np.uint8)
+        if a.size != self.chunk_bytes:
+            raise DamagedShard(f"{self._where(shard)}, chunk {chunk}: decodes to {a.size} bytes, not {self.chunk_bytes}")
+        return a.view(self.dtype).reshape((self.chunk_rows,) + self.row_shape)
+
+    def read(self, lo: int, hi: int) -> np.ndarray:
+        """Rows lo:hi, as zarr's arr[lo:hi] returns them."""
+        if not 0 <= lo <= hi <= self.rows:
+            raise IndexError(f"{self.name}: rows {lo}:{hi} of {self.rows}")
+        out = np.empty((hi - lo,) + self.row_shape, self.dtype)
+        S, C = self.shard_rows, self.chunk_rows
+        for shard in range(lo // S, (hi - 1) // S + 1 if hi > lo else lo // S):
+            s_lo, s_hi = max(lo, shard * S), min(hi, (shard + 1) * S)
+            index = self._index(shard)
+            if index is None:
+                out[s_lo - lo:s_hi - lo] = self.fill
+                continue
+            c0, c1 = (s_lo - shard * S) // C, (s_hi - 1 - shard * S) // C + 1
+            entries = index[c0:c1]
+            written = entries[:, 0] != _EMPTY
+            if written.any():  # one ranged read from the first written chunk's start to the last's end
+                start = int(entries[written, 0].min())
+                end = int((entries[written, 0] + entries[written, 1]).max())
+                buf = memoryview(self.loc.read_range(self.shard_key(shard), start, end))
+                if len(buf) != end - start:
+                    raise DamagedShard(f"{self._where(shard)}: {len(buf)} bytes where its index says {end - start}")
+            for j, (off, length) in enumerate(entries):
+                c = c0 + j
+                r_lo, r_hi = max(s_lo, shard * S + c * C), min(s_hi, shard * S + (c + 1) * C)
+                dst = out[r_lo - lo:r_hi - lo]
+                if off == _EMPTY:
+                    dst[:] = self.fill
+                    continue
+                chunk = self._decode(buf[int(off) - start:int(off + length) - start], shard, c)
+                dst[:] = chunk[r_lo - shard * S - c * C:r_hi - shard * S - c * C]
+        return out

@@ -1,0 +1,132 @@
+"""The loader's shard reader (shared/shards.py) against zarr's own read of the same rows."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from shared import compression as cx
+from shared import store as st
+from shared.shards import DamagedShard, ShardReader
+from tests.test_store import _manifest, _unit
+
+SHARD, CHUNK = 256, 64
+
+
+def _slices(rng, rows: int) -> list[tuple[int, int]]:
+    """Every kind of slice: within a chunk, across chunks and shards, whole shards, the unit never
+    written, empty, the last rows, and random ones."""
+    fixed = [(0, 1), (0, CHUNK), (5, 9), (60, 70), (63, 64), (64, 128), (200, 300), (0, SHARD), (SHARD, 2 * SHARD),
+             (250, 2 * SHARD + 3), (0, rows), (rows - 1, rows), (100, 100), (rows, rows)]
+    rand = [tuple(sorted(rng.integers(0, rows + 1, 2))) for _ in range(40)]
+    return fixed + rand
+
+
+def _write(w: st.StoreWriter, by_zarr: bool) -> dict[int, dict[str, np.ndarray]]:
+    """Units 0 and 2 of every token-axis array (unit 1 never written): feature arrays through the
+    store's shard encoder or through zarr, token arrays through zarr."""
+    units = {u: _unit(w.layout, u) for u in (0, 2)}
+    rng = np.random.default_rng(7)
+    for u, arrays in units.items():
+        if by_zarr:
+            for name, a in arrays.items():
+                w.feature_array(name)[u * SHARD:(u + 1) * SHARD] = a
+        else:
+            assert st.write_unit(w, u, arrays, {})
+        for name in ("tokens/input_ids", "tokens/loss_mask"):
+            arr = w.root[name]
+            a = rng.integers(0, 2 if "mask" in name else 1000, (SHARD, *arr.shape[1:])).astype(arr.dtype)
+            arr[u * SHARD:(u + 1) * SHARD] = a
+    return units
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+@pytest.mark.parametrize("codec", cx.CODECS)
+@pytest.mark.parametrize("by_zarr", [False, True], ids=["encoder", "zarr"])
+def test_reader_returns_what_zarr_reads(tmp_path, precision, codec, by_zarr):
+    """Every token-axis array, every codec, shards written by our encoder or by zarr: any slice
+    read straight from the shards equals zarr's read of it, dtype included."""
+    w = st.create(tmp_path / "s", _manifest(precision, codec, 3, SHARD, CHUNK))
+    _write(w, by_zarr)
+    w.publish()
+    s = st.Store(tmp_path / "s", require_complete=False)
+    rng = np.random.default_rng(0)
+    for name in w.layout.arrays():  # every token-axis array of the layout
+        arr = s.array(name)
+        r = ShardReader.for_array(s.loc, name, arr)
+        assert r is not None, name
+        for lo, hi in _slices(rng, arr.shape[0]):
+            got, want = r.read(lo, hi), arr[lo:hi]
+            assert got.dtype == want.dtype and got.shape == want.shape and np.array_equal(got, want), (name, lo, hi)
+
+
+def test_store_read_equals_the_zarr_path(store, monkeypatch):
+    """Store.read (what the loader calls) gives the same samples with the reader as through zarr,
+    with all layers, a subset out of order, and without features or log-probabilities."""
+    direct = st.Store(store)
+    for name in direct.layout.arrays():
+        direct.rows(name, 0, 0)  # its readers made before for_array is patched away
+    monkeypatch.setattr(ShardReader, "for_array", classmethod(lambda cls, loc, name, arr: None))
+    via_zarr = st.Store(store)
+    L = direct.layer_ids
+    for i in range(len(direct)):
+        for kw in ({}, {"layer_ids": [L[-1], L[0]]}, {"features": False, "logprobs": False}):
+            a, b = direct.read(i, **kw), via_zarr.read(i, **kw)
+            for f in ("input_ids", "loss_mask", "hidden", "topk_idx", "topk_logp", "lse"):
+                assert getattr(a, f).dtype == getattr(b, f).dtype and getattr(a, f).equal(getattr(b, f)), (i, kw, f)
+    assert direct._readers and [n for n, r in direct._readers.items() if r is None] == []
+    assert all(r is None for r in via_zarr._readers.values())
+
+
+def test_damaged_bytes_are_an_error_naming_the_shard_and_chunk(tmp_path):
+    w = st.create(tmp_path / "s", _manifest("bf16", "zstd1", 1, 128, 64))
+    arrays = _unit(w.layout, 0)
+    st.write_unit(w, 0, arrays, {})
+    w.publish()
+    name = "features/hidden"
+    key = f"{name}/" + w.feature_array(name).metadata.encode_chunk_key((0, 0, 0))
+    good = w.loc.read(key)
+    b = bytearray(good)
+    b[10] ^= 0xFF  # in chunk 0
+    w.loc.write(key, bytes(b))
+    s = st.Store(tmp_path / "s", require_complete=False)
+    r = ShardReader.for_array(s.loc, name, s.array(name))
+    assert np.array_equal(r.read(64, 128), arrays[name][64:])  # the other chunk is intact
+    with pytest.raises(DamagedShard, match=r"features/hidden, shard 0, chunk 0: crc32c mismatch"):
+        r.read(0, 64)
+    b = bytearray(good)
+    b[-6] ^= 0xFF  # in the index
+    w.loc.write(key, bytes(b))
+    r = ShardReader.for_array(s.loc, name, s.array(name))
+    with pytest.raises(DamagedShard, match=r"features/hidden, shard 0: its index is damaged"):
+        r.read(0, 1)
+    w.loc.write(key, good[:-200])  # truncated: the index is read from the end, so it is damaged too
+    r = ShardReader.for_array(s.loc, name, s.array(name))
+    with pytest.raises(DamagedShard, match="index is damaged"):
+        r.read(0, 1)
+
+
+def test_arrays_it_does_not_know_are_read_through_zarr(tmp_path):
+    """An array without sharding (the index arrays of a small store) gets no reader, and
+    Store.rows reads it through zarr."""
+    w = st.create(tmp_path / "s", _manifest("bf16", "zstd1", 1, 128, 64))
+    w.publish()
+    s = st.Store(tmp_path / "s", require_complete=False)
+    assert ShardReader.for_array(s.loc, "index/offset", s.array("index/offset")) is None
+    assert ShardReader.for_array(w.loc, "tokens/input_ids", w.root["tokens/input_ids"]) is not None
+
+
+def test_reader_on_object_storage(s3):
+    """The same on a real S3 server (ranged GETs and a suffix GET for the index)."""
+    url = s3.url("stores/shard-reader")
+    w = st.create(url, _manifest("bf16", "zstd1", 3, SHARD, CHUNK))
+    _write(w, by_zarr=False)
+    w.publish()
+    s = st.Store(url, require_complete=False)
+    rng = np.random.default_rng(1)
+    for name in w.layout.arrays():
+        arr = s.array(name)
+        r = ShardReader.for_array(s.loc, name, arr)
+        assert r is not None, name
+        for lo, hi in _slices(rng, arr.shape[0])[:20]:
+            assert np.array_equal(r.read(lo, hi), arr[lo:hi]), (name, lo, hi)
