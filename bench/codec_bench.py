@@ -1,7 +1,7 @@
 """Codec figures on real features from a store: bytes/token, ratio vs raw bf16, encode and decode
 MB/s on ONE core, and the cores one GPU needs to keep up with a raw feature rate.
 
-    python bench/codec_bench.py STORE [--rate-mbs 460] [--tokens 16384]
+    python bench/codec_bench.py STORE [--rate-mbs 460] [--tokens 16384] [--threads N] [--chunk-tokens C]
 
 Measured on the chunks the store uses (chunk_tokens x layers x hidden), with every codec forced to
 one thread, over the same feature bytes (made before the clock starts), the best of --reps passes
@@ -67,8 +67,10 @@ def main():
     ap.add_argument("--reps", type=int, default=3, help="passes per codec, the codecs taking turns within "
                     "each round (in a rotating order); the best pass is reported")
     ap.add_argument("--codecs", default=",".join(TABLE), help="comma-separated codecs of the table")
+    ap.add_argument("--chunk-tokens", type=int, default=0, help="tokens per chunk (default: the store's): "
+                    "how a codec's fixed cost per chunk weighs, alone and on threads")
     ap.add_argument("--threads", type=int, default=1, help="chunks spread over this many threads (rates are "
-                    "then of all threads together): how a codec scales where extraction and the loader run it")
+                    "then of all threads together): how a codec scales where extraction's writers and zarr's readers run it")
     a = ap.parse_args()
     names = a.codecs.split(",")
     if set(names) - set(TABLE):
@@ -84,7 +86,7 @@ def main():
     used = raw_bits.reshape(n, -1).any(axis=1)  # skip the unused tail of a unit
     raw_bits = raw_bits[used]
     n = raw_bits.shape[0]
-    C = lay.chunk_tokens
+    C = a.chunk_tokens or lay.chunk_tokens
     chunks16 = [raw_bits[i:i + C] for i in range(0, n - C + 1, C)]
     h = bits_to_bf16(raw_bits)
     q, scale = fp8_encode(h)
