@@ -119,29 +119,44 @@ class ShardReader:
         if not 0 <= lo <= hi <= self.rows:
             raise IndexError(f"{self.name}: rows {lo}:{hi} of {self.rows}")
         out = np.empty((hi - lo,) + self.row_shape, self.dtype)
-        S, C = self.shard_rows, self.chunk_rows
+        S = self.shard_rows
         for shard in range(lo // S, (hi - 1) // S + 1 if hi > lo else lo // S):
             s_lo, s_hi = max(lo, shard * S), min(hi, (shard + 1) * S)
-            index = self._index(shard)
-            if index is None:
-                out[s_lo - lo:s_hi - lo] = self.fill
-                continue
-            c0, c1 = (s_lo - shard * S) // C, (s_hi - 1 - shard * S) // C + 1
-            entries = index[c0:c1]
-            written = entries[:, 0] != _EMPTY
-            if written.any():  # one ranged read from the first written chunk's start to the last's end
-                start = int(entries[written, 0].min())
-                end = int((entries[written, 0] + entries[written, 1]).max())
-                buf = memoryview(self.loc.read_range(self.shard_key(shard), start, end))
-                if len(buf) != end - start:
-                    raise DamagedShard(f"{self._where(shard)}: {len(buf)} bytes where its index says {end - start}")
-            for j, (off, length) in enumerate(entries):
-                c = c0 + j
-                r_lo, r_hi = max(s_lo, shard * S + c * C), min(s_hi, shard * S + (c + 1) * C)
-                dst = out[r_lo - lo:r_hi - lo]
-                if off == _EMPTY:
-                    dst[:] = self.fill
-                    continue
-                chunk = self._decode(buf[int(off) - start:int(off + length) - start], shard, c)
-                dst[:] = chunk[r_lo - shard * S - c * C:r_hi - shard * S - c * C]
+            cached = shard in self._indexes
+            try:
+                self._read_shard(shard, s_lo, s_hi, out[s_lo - lo:s_hi - lo])
+            except (DamagedShard, FileNotFoundError):
+                if not cached:
+                    raise
+                # a cached index is stale if the shard was written again since (a unit re-extracted
+                # while this store was open): read it afresh once; damaged bytes stay an error
+                with self._lock:
+                    self._indexes.pop(shard, None)
+                self._read_shard(shard, s_lo, s_hi, out[s_lo - lo:s_hi - lo])
         return out
+
+    def _read_shard(self, shard: int, s_lo: int, s_hi: int, out: np.ndarray):
+        """Rows s_lo:s_hi (all in this shard) into out."""
+        S, C = self.shard_rows, self.chunk_rows
+        index = self._index(shard)
+        if index is None:
+            out[:] = self.fill
+            return
+        c0, c1 = (s_lo - shard * S) // C, (s_hi - 1 - shard * S) // C + 1
+        entries = index[c0:c1]
+        written = entries[:, 0] != _EMPTY
+        if written.any():  # one ranged read from the first written chunk's start to the last's end
+            start = int(entries[written, 0].min())
+            end = int((entries[written, 0] + entries[written, 1]).max())
+            buf = memoryview(self.loc.read_range(self.shard_key(shard), start, end))
+            if len(buf) != end - start:
+                raise DamagedShard(f"{self._where(shard)}: {len(buf)} bytes where its index says {end - start}")
+        for j, (off, length) in enumerate(entries):
+            c = c0 + j
+            r_lo, r_hi = max(s_lo, shard * S + c * C), min(s_hi, shard * S + (c + 1) * C)
+            dst = out[r_lo - s_lo:r_hi - s_lo]
+            if off == _EMPTY:
+                dst[:] = self.fill
+                continue
+            chunk = self._decode(buf[int(off) - start:int(off + length) - start], shard, c)
+            dst[:] = chunk[r_lo - shard * S - c * C:r_hi - shard * S - c * C]

@@ -385,11 +385,11 @@ class Store:
     def unit_array(self, name: str, unit: int) -> np.ndarray:
         """One unit of a token-axis array, as stored (verify's checksums)."""
         S = self.layout.shard_tokens
-        return self.array(name)[unit * S:(unit + 1) * S]
+        return self.rows(name, unit * S, (unit + 1) * S)
 
     def hidden_bits(self, lo: int, hi: int) -> np.ndarray:
         """Stored hidden-state bits of token rows lo:hi, undecoded (codec benchmarks)."""
-        return self.array("features/hidden")[lo:hi]
+        return self.rows("features/hidden", lo, hi)
 
     def unit_hidden(self, unit: int) -> torch.Tensor | None:
         """One unit's hidden states as bf16 (bf16 stores; None for fp8)."""
