@@ -51,5 +51,6 @@ def main():
               f"tokens/s per worker (best of {a.repeat} x {n} rows)")
     print(f"straight from the shards: {best['zarr'] / best['shards']:.2f}x the rows per second through zarr")
 
+
 if __name__ == "__main__":
     main()
