@@ -10,9 +10,9 @@ alternated, are the baseline printed beside it.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 
-from shared.shards import ShardReader
 from shared.store import Store
 from train.loader import EpochPlan, RowDataset, RowSpec
 
@@ -31,11 +31,10 @@ def main():
     spec = RowSpec(tuple(s.layer_ids), a.seq_len, a.anchors, 0, a.distill)
     direct = RowDataset(a.store, rows, spec, 0)
     direct[0]  # opens the store, its arrays and its shard readers
-    make = ShardReader.for_array
-    ShardReader.for_array = classmethod(lambda cls, loc, name, arr: None)  # the baseline: zarr reads it all
+    os.environ["DFLASH_SHARD_READER"] = "0"  # the baseline: zarr reads it all (readers are made on first read)
     via_zarr = RowDataset(a.store, rows, spec, 0)
     via_zarr[0]
-    ShardReader.for_array = make
+    del os.environ["DFLASH_SHARD_READER"]
     n = min(len(direct), a.rows)
     best = {"shards": float("inf"), "zarr": float("inf")}
     for _ in range(a.repeat):  # alternated, so that a busy neighbour slows both

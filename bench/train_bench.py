@@ -294,8 +294,10 @@ def step(device, dcfg, S, A, variants, steps, profile: set[str]):
 # --- loader ---------------------------------------------------------------------------------
 
 def loader(device, dcfg, S, A, n_samples, workers, step_ms, tmpdir, precision="bf16", codec="zstd1", s3=None,
-           chunk_tokens=64):
-    """s3: a running shared.s3local.S3Server: the same store written to and read from it."""
+           chunk_tokens=64, readers=("shards",)):
+    """s3: a running shared.s3local.S3Server: the same store written to and read from it. readers:
+    "shards" (the loader's reader) and/or "zarr" (every array through zarr, the baseline; local
+    stores only: object-storage workers start from a forkserver, which does not see the switch)."""
     where = "local disk" if s3 is None else f"S3 ({s3.endpoint})"
     section(f"loader: {n_samples} samples x 4 passes of {S} tokens, {len(dcfg.target_layer_ids)} layers x "
             f"{dcfg.hidden_size}, {workers} workers, {precision}/{codec}, chunks of {chunk_tokens} tokens, store on {where}")
@@ -347,27 +349,33 @@ def loader(device, dcfg, S, A, n_samples, workers, step_ms, tmpdir, precision="b
         print(f"raw GETs of {len(keys)} hidden-state shards ({got / 1e9:.2f} GB compressed), 16 at a time: "
               f"{raw_get:.2f} GB/s", flush=True)
     rows = EpochPlan(s, S, 0, 0, 1).rows(0) * 4  # 4 passes: worker start-up amortised (page cache warm)
-    out = {}
+    out, via_zarr = {}, {}
     for w in sorted({0, workers // 4, workers // 2, workers}):
-        ds = RowDataset(str(store), rows, RowSpec(tuple(dcfg.target_layer_ids), S, A, 0), 0)
-        dl = make_loader(ds, 1, w, 4, device.type == "cuda")
-        t = time.perf_counter()
-        n = 0
-        for b in dl:
-            b["hidden"].to(device, non_blocking=True)
-            n += 1
-        sync(device)
-        dt = time.perf_counter() - t
-        rate = n / dt
-        out[w] = {"rows_s": rate, "gb_s": rate * S * L * H * 2 / 1e9}
-        print(f"workers {w:3d}: {rate:6.2f} rows/s  {out[w]['gb_s']:6.2f} GB/s of bf16 features", flush=True)
+        for reader in readers:  # the shard reader, then (with --loader-readers shards,zarr) zarr alone
+            os.environ["DFLASH_SHARD_READER"] = "1" if reader == "shards" else "0"  # workers inherit it
+            ds = RowDataset(str(store), rows, RowSpec(tuple(dcfg.target_layer_ids), S, A, 0), 0)
+            dl = make_loader(ds, 1, w, 4, device.type == "cuda")
+            t = time.perf_counter()
+            n = 0
+            for b in dl:
+                b["hidden"].to(device, non_blocking=True)
+                n += 1
+            sync(device)
+            dt = time.perf_counter() - t
+            rate = n / dt
+            (out if reader == "shards" else via_zarr)[w] = {"rows_s": rate, "gb_s": rate * S * L * H * 2 / 1e9}
+            print(f"workers {w:3d}, {reader:6s}: {rate:6.2f} rows/s  {rate * S * L * H * 2 / 1e9:6.2f} GB/s of bf16 "
+                  f"features" + (f"  (shards / zarr {out[w]['rows_s'] / rate:.2f}x)" if reader == "zarr" else ""),
+                  flush=True)
+    os.environ.pop("DFLASH_SHARD_READER", None)
     need = 1e3 / step_ms if step_ms else None
     if need:
         best = max(v["rows_s"] for v in out.values())
         print(f"one GPU's step consumes {need:.2f} rows/s ({need * S * L * H * 2 / 1e9:.2f} GB/s): "
               f"loader headroom {best / need:.2f}x")
     RESULTS[f"loader_{precision}_{codec}_{'local' if s3 is None else 's3'}"] = {
-        "by_workers": out, "step_rows_s": need, "write_gb_s": raw / write_s / 1e9, "raw_get_gb_s": raw_get}
+        "by_workers": out, "by_workers_zarr": via_zarr, "step_rows_s": need, "write_gb_s": raw / write_s / 1e9,
+        "raw_get_gb_s": raw_get}
     as_location(store).delete_all()
 
 
@@ -446,6 +454,8 @@ def main():
     ap.add_argument("--loader-where", default="local", help="local,s3: also put the store on a local S3 server "
                     "(SeaweedFS, shared/s3local.py) and read it from there")
     ap.add_argument("--loader-chunk-tokens", type=int, default=64, help="the store's --chunk-tokens")
+    ap.add_argument("--loader-readers", default="shards", help="shards,zarr: also read every array through zarr "
+                    "(DFLASH_SHARD_READER=0), the baseline of the shard reader, on local stores")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -480,8 +490,9 @@ def main():
                     for spec in a.loader_stores.split(","):
                         prec, codec = spec.split("/")
                         for where in wheres:
+                            readers = a.loader_readers.split(",") if where == "local" else ["shards"]
                             loader(device, dcfg, S, A, a.loader_samples, a.workers, step_ms, tmp, prec, codec,
-                                   server if where == "s3" else None, a.loader_chunk_tokens)
+                                   server if where == "s3" else None, a.loader_chunk_tokens, readers)
                         if len(wheres) > 1:
                             loc, obj = (RESULTS[f"loader_{prec}_{codec}_{w}"] for w in ("local", "s3"))
                             print(f"\n{'workers':>8s}{'local rows/s':>14s}{'S3 rows/s':>11s}{'S3 / local':>12s}")

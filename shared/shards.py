@@ -10,13 +10,14 @@ shares no interpreter lock with other workers (a numpy codec loses most of its s
 share one: BENCHMARKS.md, "Eighth session").
 
 for_array() is None for an array this does not know how to read (no sharding, the index at the
-start, chunks split along more than the token axis, a codec step it does not know); the store
-then reads it through zarr. tests/test_shards.py checks every codec and every kind of slice
+start, chunks split along more than the token axis, a codec step it does not know), and for every
+array with DFLASH_SHARD_READER=0 in the environment; the store then reads it through zarr. tests/test_shards.py checks every codec and every kind of slice
 against zarr's own read.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
 from collections import OrderedDict
@@ -62,6 +63,8 @@ class ShardReader:
 
     @classmethod
     def for_array(cls, loc: Location, name: str, arr: zarr.Array) -> "ShardReader | None":
+        if os.environ.get("DFLASH_SHARD_READER", "1") == "0":  # everything through zarr (a baseline, a fallback)
+            return None
         codecs = arr.metadata.codecs
         if len(codecs) != 1 or not isinstance(codecs[0], ShardingCodec) or sys.byteorder != "little":
             return None

@@ -144,3 +144,15 @@ def test_a_shard_written_again_is_read_afresh(tmp_path):
     assert np.array_equal(s.rows("features/hidden", 0, 128), first["features/hidden"])
     st.write_unit(w, 0, second, {})
     assert np.array_equal(s.rows("features/hidden", 0, 128), second["features/hidden"])
+
+
+def test_the_environment_switch_sends_every_read_through_zarr(store, monkeypatch):
+    """DFLASH_SHARD_READER=0: no array gets a reader (a baseline for benchmarks, a fallback for a
+    storage the reader would mishandle), and samples read the same."""
+    direct = st.Store(store)
+    monkeypatch.setenv("DFLASH_SHARD_READER", "0")
+    via_zarr = st.Store(store)
+    for i in range(min(3, len(direct))):
+        a, b = direct.read(i), via_zarr.read(i)
+        assert a.hidden.equal(b.hidden) and a.input_ids.equal(b.input_ids)
+    assert via_zarr._readers and all(r is None for r in via_zarr._readers.values())
