@@ -142,6 +142,27 @@ def _bytes_step(codec):
     return None if c is None else c.encode
 
 
+def token_axis_shards(arr: zarr.Array) -> tuple[int, int, list] | None:
+    """(rows per inner chunk, inner chunks per shard, the inner codecs after the bytes codec) of an
+    array whose shards split only its token axis, with zarr's shard index at the end (bytes and
+    crc32c) and little-endian values; None for any other layout. What the store's own shard
+    encoder (here) and shard reader (shared/shards.py) both take on, and nothing else."""
+    from zarr.codecs import BytesCodec, ShardingCodec
+    from zarr.codecs.sharding import ShardingCodecIndexLocation
+    codecs = arr.metadata.codecs
+    if len(codecs) != 1 or not isinstance(codecs[0], ShardingCodec) or sys.byteorder != "little":
+        return None
+    sh = codecs[0]
+    shard, inner = arr.metadata.chunk_grid.chunk_shape, sh.chunk_shape
+    index_ok = (sh.index_location == ShardingCodecIndexLocation.end and len(sh.index_codecs) == 2
+                and isinstance(sh.index_codecs[0], BytesCodec) and isinstance(sh.index_codecs[1], Crc32cCodec))
+    first, *rest = sh.codecs
+    little = isinstance(first, BytesCodec) and (first.endian is None or first.endian.value == "little")
+    if not (index_ok and little and tuple(shard[1:]) == tuple(inner[1:]) and shard[0] % inner[0] == 0):
+        return None
+    return inner[0], shard[0] // inner[0], rest
+
+
 class ShardEncoder:
     """One array's whole shard encoded as zarr's sharding codec writes it: the inner chunks in
     order, each through the array's codecs (bytes, compressor, crc32c), then the index of
@@ -158,22 +179,12 @@ class ShardEncoder:
 
     @classmethod
     def for_array(cls, arr: zarr.Array) -> "ShardEncoder | None":
-        from zarr.codecs import BytesCodec, ShardingCodec
-        from zarr.codecs.sharding import ShardingCodecIndexLocation
-        codecs = arr.metadata.codecs
-        if len(codecs) != 1 or not isinstance(codecs[0], ShardingCodec) or sys.byteorder != "little":
+        layout = token_axis_shards(arr)
+        if layout is None:
             return None
-        sh = codecs[0]
-        shard, inner = arr.metadata.chunk_grid.chunk_shape, sh.chunk_shape
-        index_ok = (sh.index_location == ShardingCodecIndexLocation.end and len(sh.index_codecs) == 2
-                    and isinstance(sh.index_codecs[0], BytesCodec) and isinstance(sh.index_codecs[1], Crc32cCodec))
-        first, *rest = sh.codecs
-        steps = [_bytes_step(c) for c in rest]
-        little = isinstance(first, BytesCodec) and (first.endian is None or first.endian.value == "little")
-        if not (index_ok and little and all(steps) and tuple(shard[1:]) == tuple(inner[1:])
-                and shard[0] % inner[0] == 0):
-            return None
-        return cls(inner[0], shard[0] // inner[0], steps)
+        chunk_rows, n_chunks, inner = layout
+        steps = [_bytes_step(c) for c in inner]
+        return cls(chunk_rows, n_chunks, steps) if all(steps) else None
 
     def _chunk(self, data: np.ndarray, i: int) -> bytes:
         b = np.ascontiguousarray(data[i * self.chunk_rows:(i + 1) * self.chunk_rows]).view(np.uint8).reshape(-1)

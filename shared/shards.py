@@ -18,17 +18,15 @@ against zarr's own read.
 from __future__ import annotations
 
 import os
-import sys
 import threading
 from collections import OrderedDict
 
 import google_crc32c
 import numpy as np
 import zarr
-from zarr.codecs import BytesCodec, Crc32cCodec, ShardingCodec
-from zarr.codecs.sharding import ShardingCodecIndexLocation
+from zarr.codecs import Crc32cCodec
 
-from shared.compression import numcodec
+from shared.compression import numcodec, token_axis_shards
 from shared.location import Location
 
 
@@ -65,22 +63,17 @@ class ShardReader:
     def for_array(cls, loc: Location, name: str, arr: zarr.Array) -> "ShardReader | None":
         if os.environ.get("DFLASH_SHARD_READER", "1") == "0":  # everything through zarr (a baseline, a fallback)
             return None
-        codecs = arr.metadata.codecs
-        if len(codecs) != 1 or not isinstance(codecs[0], ShardingCodec) or sys.byteorder != "little":
+        layout = token_axis_shards(arr)
+        if layout is None:
             return None
-        sh = codecs[0]
-        shard, inner = arr.metadata.chunk_grid.chunk_shape, sh.chunk_shape
-        index_ok = (sh.index_location == ShardingCodecIndexLocation.end and len(sh.index_codecs) == 2
-                    and isinstance(sh.index_codecs[0], BytesCodec) and isinstance(sh.index_codecs[1], Crc32cCodec))
-        first, *rest = sh.codecs
-        little = isinstance(first, BytesCodec) and (first.endian is None or first.endian.value == "little")
-        if not (index_ok and little and rest and isinstance(rest[-1], Crc32cCodec)
-                and tuple(shard[1:]) == tuple(inner[1:]) == tuple(arr.shape[1:]) and shard[0] % inner[0] == 0):
+        chunk_rows, _, rest = layout
+        if not (rest and isinstance(rest[-1], Crc32cCodec) and tuple(arr.metadata.chunk_grid.chunk_shape[1:])
+                == tuple(arr.shape[1:])):
             return None
         decoders = [numcodec(c) for c in rest[:-1]]
         if any(d is None for d in decoders):
             return None
-        return cls(loc, name, arr, inner[0], decoders[::-1])
+        return cls(loc, name, arr, chunk_rows, decoders[::-1])
 
     def _where(self, shard: int) -> str:
         return f"{self.loc}: {self.name}, shard {shard}"
