@@ -5,9 +5,11 @@ zarr reads a slice through its event-loop thread and decodes each inner chunk on
 own; a loader worker's one sample (a few hundred tokens) cost 9-12 ms that way against 3 ms read
 and decoded here (bench/loader_rows.py, BENCHMARKS.md). Here the shard's index (at its end) is
 read once and cached, the chunks a slice needs are fetched in one ranged read, checked against
-their crc32c and decoded in the calling thread: a loader worker is a process, so its decoding
-shares no interpreter lock with other workers (a numpy codec loses most of its speed when threads
-share one: BENCHMARKS.md, "Eighth session").
+their crc32c and decoded, in the calling thread or, given a pool, a read's chunks on its threads
+(zstd decodes without the interpreter lock; the 27B drafter's 3.3 MB chunks made one thread per
+loader worker 0.85x zarr's threaded read on a 16-core host where workers left cores idle). A
+loader worker is a process, so its decoding shares no interpreter lock with other workers (a numpy
+codec loses most of its speed when threads share one: BENCHMARKS.md, "Eighth session").
 
 for_array() is None for an array this does not know how to read (no sharding, the index at the
 start, chunks split along more than the token axis, a codec step it does not know), and for every
@@ -20,6 +22,7 @@ from __future__ import annotations
 import os
 import threading
 from collections import OrderedDict
+from concurrent.futures import Executor
 
 import google_crc32c
 import numpy as np
@@ -45,6 +48,10 @@ def _crc_ok(b: memoryview) -> bool:
 
 class ShardReader:
     """Rows of one sharded array whose shards split only the token axis."""
+
+    # chunks smaller than this are decoded in the calling thread even given a pool: handing them to
+    # threads cost more than it saved (the window codec's 49 KB chunks read at 0.68x on 2 threads)
+    pool_min_bytes = 256 * 1024
 
     def __init__(self, loc: Location, name: str, arr: zarr.Array, chunk_rows: int, decoders: list):
         self.loc, self.name = loc, name
@@ -110,8 +117,8 @@ class ShardReader:
             raise DamagedShard(f"{self._where(shard)}, chunk {chunk}: decodes to {a.size} bytes, not {self.chunk_bytes}")
         return a.view(self.dtype).reshape((self.chunk_rows,) + self.row_shape)
 
-    def read(self, lo: int, hi: int) -> np.ndarray:
-        """Rows lo:hi, as zarr's arr[lo:hi] returns them."""
+    def read(self, lo: int, hi: int, pool: Executor | None = None) -> np.ndarray:
+        """Rows lo:hi, as zarr's arr[lo:hi] returns them; pool: decodes a shard's chunks."""
         if not 0 <= lo <= hi <= self.rows:
             raise IndexError(f"{self.name}: rows {lo}:{hi} of {self.rows}")
         out = np.empty((hi - lo,) + self.row_shape, self.dtype)
@@ -120,7 +127,7 @@ class ShardReader:
             s_lo, s_hi = max(lo, shard * S), min(hi, (shard + 1) * S)
             cached = shard in self._indexes
             try:
-                self._read_shard(shard, s_lo, s_hi, out[s_lo - lo:s_hi - lo])
+                self._read_shard(shard, s_lo, s_hi, out[s_lo - lo:s_hi - lo], pool)
             except (DamagedShard, FileNotFoundError):
                 if not cached:
                     raise
@@ -128,10 +135,10 @@ class ShardReader:
                 # while this store was open): read it afresh once; damaged bytes stay an error
                 with self._lock:
                     self._indexes.pop(shard, None)
-                self._read_shard(shard, s_lo, s_hi, out[s_lo - lo:s_hi - lo])
+                self._read_shard(shard, s_lo, s_hi, out[s_lo - lo:s_hi - lo], pool)
         return out
 
-    def _read_shard(self, shard: int, s_lo: int, s_hi: int, out: np.ndarray):
+    def _read_shard(self, shard: int, s_lo: int, s_hi: int, out: np.ndarray, pool: Executor | None):
         """Rows s_lo:s_hi (all in this shard) into out."""
         S, C = self.shard_rows, self.chunk_rows
         index = self._index(shard)
@@ -147,6 +154,7 @@ class ShardReader:
             buf = memoryview(self.loc.read_range(self.shard_key(shard), start, end))
             if len(buf) != end - start:
                 raise DamagedShard(f"{self._where(shard)}: {len(buf)} bytes where its index says {end - start}")
+        jobs = []  # (chunk, its bytes, where its rows go, which of its rows)
         for j, (off, length) in enumerate(entries):
             c = c0 + j
             r_lo, r_hi = max(s_lo, shard * S + c * C), min(s_hi, shard * S + (c + 1) * C)
@@ -154,5 +162,16 @@ class ShardReader:
             if off == _EMPTY:
                 dst[:] = self.fill
                 continue
-            chunk = self._decode(buf[int(off) - start:int(off + length) - start], shard, c)
-            dst[:] = chunk[r_lo - shard * S - c * C:r_hi - shard * S - c * C]
+            first = shard * S + c * C
+            jobs.append((c, buf[int(off) - start:int(off + length) - start], dst, r_lo - first, r_hi - first))
+
+        def decode(job):
+            c, b, dst, x0, x1 = job
+            dst[:] = self._decode(b, shard, c)[x0:x1]
+
+        if pool is not None and len(jobs) > 1 and self.chunk_bytes >= self.pool_min_bytes:
+            for _ in pool.map(decode, jobs):  # (the first chunk's error, if any, raised here)
+                pass
+        else:
+            for job in jobs:
+                decode(job)

@@ -250,7 +250,9 @@ class Store:
     """Read-only view of a store. Opening costs the same for any number of samples: only the
     manifest is read; the index is read a chunk at a time as samples are asked for."""
 
-    def __init__(self, where, require_complete: bool = True):
+    def __init__(self, where, require_complete: bool = True, decode_threads: int = 1):
+        """decode_threads: threads that decode the chunks of one read (the loader gives each worker
+        its share of the cores: train/loader.py)."""
         self.loc = as_location(where)
         self.path = self.loc.url
         state, attrs = store_state(self.loc)
@@ -271,6 +273,8 @@ class Store:
         self.layer_ids: list[int] = list(self.manifest.layer_ids)
         self._arr = {}
         self._readers: dict[str, ShardReader | None] = {}
+        self.decode_threads = max(1, int(decode_threads))
+        self._pool: tuple[int, ThreadPoolExecutor] | None = None  # (the process that made it, the pool)
         self._index_cache: dict[tuple[str, int], np.ndarray] = {}
 
     def __len__(self) -> int:
@@ -288,7 +292,14 @@ class Store:
         if name not in self._readers:
             self._readers[name] = ShardReader.for_array(self.loc, name, self.array(name))
         r = self._readers[name]
-        return r.read(lo, hi) if r is not None else self.array(name)[lo:hi]
+        return r.read(lo, hi, self._decode_pool()) if r is not None else self.array(name)[lo:hi]
+
+    def _decode_pool(self) -> ThreadPoolExecutor | None:
+        if self.decode_threads == 1:
+            return None
+        if self._pool is None or self._pool[0] != os.getpid():  # a fork keeps the object, not its threads
+            self._pool = (os.getpid(), ThreadPoolExecutor(self.decode_threads, thread_name_prefix="decode"))
+        return self._pool[1]
 
     def _index(self, name: str, i: int) -> int:
         arr = self.array(name)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import pytest
 
@@ -11,6 +13,7 @@ from shared.shards import DamagedShard, ShardReader
 from tests.test_store import _manifest, _unit
 
 SHARD, CHUNK = 256, 64
+POOL = ThreadPoolExecutor(3)  # decodes a read's chunks (the loader gives workers a share of the cores)
 
 
 def _slices(rng, rows: int) -> list[tuple[int, int]]:
@@ -45,7 +48,8 @@ def _write(w: st.StoreWriter, by_zarr: bool) -> dict[int, dict[str, np.ndarray]]
 @pytest.mark.parametrize("by_zarr", [False, True], ids=["encoder", "zarr"])
 def test_reader_returns_what_zarr_reads(tmp_path, precision, codec, by_zarr):
     """Every token-axis array, every codec, shards written by our encoder or by zarr: any slice
-    read straight from the shards equals zarr's read of it, dtype included."""
+    read straight from the shards, in the calling thread or with its chunks decoded on a pool,
+    equals zarr's read of it, dtype included."""
     w = st.create(tmp_path / "s", _manifest(precision, codec, 3, SHARD, CHUNK))
     _write(w, by_zarr)
     w.publish()
@@ -55,9 +59,11 @@ def test_reader_returns_what_zarr_reads(tmp_path, precision, codec, by_zarr):
         arr = s.array(name)
         r = ShardReader.for_array(s.loc, name, arr)
         assert r is not None, name
+        r.pool_min_bytes = 0  # the pool for chunks of any size
         for lo, hi in _slices(rng, arr.shape[0]):
-            got, want = r.read(lo, hi), arr[lo:hi]
-            assert got.dtype == want.dtype and got.shape == want.shape and np.array_equal(got, want), (name, lo, hi)
+            want = arr[lo:hi]
+            for got in (r.read(lo, hi), r.read(lo, hi, POOL)):
+                assert got.dtype == want.dtype and got.shape == want.shape and np.array_equal(got, want), (name, lo, hi)
 
 
 def test_store_read_equals_the_zarr_path(store, monkeypatch):
@@ -91,9 +97,12 @@ def test_damaged_bytes_are_an_error_naming_the_shard_and_chunk(tmp_path):
     w.loc.write(key, bytes(b))
     s = st.Store(tmp_path / "s", require_complete=False)
     r = ShardReader.for_array(s.loc, name, s.array(name))
+    r.pool_min_bytes = 0
     assert np.array_equal(r.read(64, 128), arrays[name][64:])  # the other chunk is intact
     with pytest.raises(DamagedShard, match=r"features/hidden, shard 0, chunk 0: crc32c mismatch"):
         r.read(0, 64)
+    with pytest.raises(DamagedShard, match=r"features/hidden, shard 0, chunk 0: crc32c mismatch"):
+        r.read(0, 128, POOL)  # decoded on threads: the damaged chunk's error, not the good one's rows
     b = bytearray(good)
     b[-6] ^= 0xFF  # in the index
     w.loc.write(key, bytes(b))
@@ -156,3 +165,19 @@ def test_the_environment_switch_sends_every_read_through_zarr(store, monkeypatch
         a, b = direct.read(i), via_zarr.read(i)
         assert a.hidden.equal(b.hidden) and a.input_ids.equal(b.input_ids)
     assert via_zarr._readers and all(r is None for r in via_zarr._readers.values())
+
+
+def test_loader_workers_share_the_cores(store, monkeypatch):
+    """Each reading process decodes on its rank's share of the cores over the loader's readers
+    (1 to 8 threads), and the workers' stores get that count."""
+    from train import loader
+    monkeypatch.setattr(loader.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    assert [loader.decode_threads(w) for w in (0, 1, 4, 12, 32)] == [8, 8, 4, 1, 1]
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert [loader.decode_threads(w) for w in (0, 2, 4)] == [8, 4, 2]
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    ds = loader.RowDataset(str(store), [], loader.RowSpec((0,), 8, 1, 0), 0)
+    loader.make_loader(ds, 1, 0, 2, False)
+    assert ds.decode_threads == 2 and ds.store.decode_threads == 2
+    assert ds.store._decode_pool()._max_workers == 2

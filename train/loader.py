@@ -10,6 +10,8 @@ number of loader workers.
 
 from __future__ import annotations
 
+import os
+
 from dataclasses import dataclass
 
 import numpy as np
@@ -105,6 +107,7 @@ class RowDataset(Dataset):
                  epoch: int | None, first_row: int = 0):
         self.store_path, self.rows, self.spec = store_path, rows, spec
         self.epoch, self.first_row = epoch, first_row
+        self.decode_threads = 1  # per reading process; make_loader gives it the worker's share of the cores
         self._store = None
         self._pool = None
 
@@ -128,7 +131,7 @@ class RowDataset(Dataset):
     @property
     def store(self) -> Store:
         if self._store is None:  # opened in each loader worker, not pickled across
-            self._store = Store(self.store_path)
+            self._store = Store(self.store_path, decode_threads=self.decode_threads)
         return self._store
 
     def _read(self, i: int):
@@ -182,7 +185,21 @@ class RowDataset(Dataset):
         return out
 
 
+def decode_threads(workers: int) -> int:
+    """Threads each reading process decodes a sample's chunks on: this rank's share of the cores
+    (LOCAL_WORLD_SIZE ranks on the host, as torchrun sets it) over its readers, at most 8. A
+    worker alone on a 16-core host read the 27B drafter's chunks at 0.85x zarr's threaded read on
+    one thread (BENCHMARKS.md, "Ninth session")."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    per_rank = cores // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return max(1, min(8, per_rank // max(1, workers)))
+
+
 def make_loader(ds: RowDataset, micro_batch: int, workers: int, prefetch: int, pin: bool) -> DataLoader:
+    ds.decode_threads = decode_threads(workers)  # before the workers take their copy of ds
     kw = dict(num_workers=workers, pin_memory=pin)
     if workers > 0:
         kw.update(prefetch_factor=prefetch, persistent_workers=False)
