@@ -8,7 +8,8 @@ compress, checksum and write as whole units, and how many CPU cores that takes.
 Each row writes (then reads back whole) the same units (synthetic features with the magnitude
 structure of hidden states: a few outlier channels, the rest near N(0, 1)) through the worker's own
 writers (extract/writers.py): tN = N writer threads in this process, pN = N writer processes over
-the shared unit buffers; zKIND = the same with zarr writing each shard (shared/compression.py's
+the shared unit buffers, each compressing on its share of the cores as an extraction worker
+gives it (pNxE: on E threads); zKIND = the same with zarr writing each shard (shared/compression.py's
 ShardEncoder off), the baseline of the encoder. The buffers are filled once and not cleared
 between units (clearing is the only step left out). Goal (issue 11): >= 2 GB/s of raw bf16
 features per GPU with the cores one GPU has on an 8-GPU host. "cores busy" = CPU time of this
@@ -37,6 +38,7 @@ from shapes import synthetic_manifest  # noqa: E402  (adds the repo to sys.path)
 from extract.config import ExtractConfig
 from extract.observer import Observer
 from extract.plan import write_plan
+from extract.worker import encode_threads
 from extract.writers import UnitWriters
 from shared import schema as sc
 from shared import store as st
@@ -183,7 +185,8 @@ def copy_rates(gib: float = 1.0):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--writers", default="t1,t4,p2,p4", help="tN: N threads, pN: N processes")
+    ap.add_argument("--writers", default="t1,t4,p2,p4", help="tN: N threads, pN: N processes; a suffix xE: E "
+                    "threads compress each process's chunks (default: an extraction worker's share of the cores)")
     ap.add_argument("--threads", default=None, help="(old spelling) 1,2,4: the same as --writers t1,t2,t4")
     ap.add_argument("--units", type=int, default=12, help="units written per row")
     ap.add_argument("--layers", type=int, default=5)
@@ -237,8 +240,9 @@ def main():
             zarr_writes_shards()
         else:
             ShardEncoder.for_array = ENCODER_FOR_ARRAY
-        writers = kind.removeprefix("z")
+        writers, _, e = kind.removeprefix("z").partition("x")
         procs, W = writers[0] == "p", int(writers[1:])
+        E = int(e) if e else encode_threads(os.cpu_count() or 1, W, procs)  # as an extraction worker has it
         store = server.url(f"hbench/store-{kind}") if server else str(tmp / f"store-{kind}")
         as_location(store).delete_all()
         cfg.store = store
@@ -252,7 +256,7 @@ def main():
             raise SystemExit("fp8: give --precision bf16 (the goal is stated for raw bf16 features)")
         t0 = time.perf_counter()
         watch = Watch()
-        out = UnitWriters(store, layout, W, procs, extra=0, pin=a.pin, clear=False, observer=watch)
+        out = UnitWriters(store, layout, W, procs, extra=0, pin=a.pin, clear=False, observer=watch, encode_threads=E)
         made = time.perf_counter() - t0
         bufs = [out.pool.get(-1, 1, S) for _ in range(out.pool.size)]
         t0 = time.perf_counter()

@@ -108,6 +108,14 @@ def writer_count(cfg: ExtractConfig, cores: int, procs: bool) -> int:
     return max(1, free // 2) if procs else min(8, free)
 
 
+def encode_threads(cores: int, writers: int, procs: bool) -> int:
+    """The threads each writer process compresses a unit's chunks on: its share of the cores the
+    writers have (as writer_count leaves them), 1 to 8. Each process had 8 before: on 16 cores 7
+    processes then ran 56 threads, and a numpy codec's threads in one process queue for its
+    interpreter lock (BENCHMARKS.md, "Ninth session"). Writer threads share one pool: 0, min(8, cores)."""
+    return max(1, min(8, max(2, cores - 2) // max(1, writers))) if procs else 0
+
+
 def writer_procs(cfg: ExtractConfig, device: torch.device) -> bool:
     """--writer-procs: auto = processes on a GPU (where the forward outruns one process's writes),
     threads on the CPU (where each process would cost a start and the forward is the limit)."""
@@ -122,6 +130,7 @@ class Worker:
         self.claims = claims  # None: the units given to run() are this worker's alone (benchmarks)
         self.procs = writer_procs(cfg, device)
         self.writers = writer_count(cfg, cores or os.cpu_count() or 1, self.procs)
+        self.encode_threads = encode_threads(cores or os.cpu_count() or 1, self.writers, self.procs)
         self.progress_q = progress_q
         self.model = model  # benchmarks pass a model built in memory; otherwise loaded from cfg.target
         self.reader = st.Store(cfg.store, require_complete=False)
@@ -171,7 +180,8 @@ class Worker:
         setup = _OnThread(lambda: UnitWriters(cfg.store, self.layout, self.writers, self.procs,
                                               extra=cfg.queue_units + 1, pin=cuda, claims=self.claims,
                                               rank=self.rank, progress_q=self.progress_q,
-                                              nice=cfg.writer_nice, observer=self.observer), dev)
+                                              nice=cfg.writer_nice, observer=self.observer,
+                                              encode_threads=self.encode_threads), dev)
         collector = None
         try:
             model = self.model if self.model is not None else load_target(cfg.target, dev, dtype)

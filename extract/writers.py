@@ -148,7 +148,7 @@ class UnitPool:
 
 # --- writer processes -----------------------------------------------------------------------
 
-def _proc_main(store: str, fd: DupFd, specs, slot_bytes: int, size: int, conn, nice: int):
+def _proc_main(store: str, fd: DupFd, specs, slot_bytes: int, size: int, conn, nice: int, encode_threads: int):
     """A writer process: maps the pool, then writes the units it is sent until told to stop.
     Asks its parent before each shard whether the unit's claim is still held (the claims live
     there), clears the buffer after writing, and reports (marked, CPU seconds) or the error."""
@@ -159,7 +159,7 @@ def _proc_main(store: str, fd: DupFd, specs, slot_bytes: int, size: int, conn, n
     mm = mmap.mmap(fd.detach(), size * slot_bytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
     views = [{name: np.ndarray(shape, dt, buffer=mm, offset=slot * slot_bytes + off)
               for name, shape, dt, off in specs} for slot in range(size)]
-    w = st.StoreWriter(store)
+    w = st.StoreWriter(store, encode_threads=encode_threads)
     conn.send(("ready",))
 
     def held():
@@ -187,11 +187,11 @@ def _proc_main(store: str, fd: DupFd, specs, slot_bytes: int, size: int, conn, n
 class WriterProc:
     """One writer process, driven by one writer thread of the worker."""
 
-    def __init__(self, store: str, pool: UnitPool, nice: int = 0):
+    def __init__(self, store: str, pool: UnitPool, nice: int = 0, encode_threads: int = 0):
         ctx = mp.get_context("spawn")  # the worker has CUDA and threads: no fork
         self.conn, child = ctx.Pipe()
         self.proc = ctx.Process(target=_proc_main, args=(store, DupFd(pool.fd), pool.specs, pool.slot_bytes,
-                                                         pool.size, child, nice), daemon=True)
+                                                         pool.size, child, nice, encode_threads), daemon=True)
         self.proc.start()
         child.close()
         self.cpu = 0.0  # CPU seconds its writes took
@@ -249,21 +249,22 @@ class WriterProc:
 
 class UnitWriters:
     """n writer threads over a pool of n + extra buffers; procs: each thread writes through a
-    process of its own, at niceness `nice`. submit() hands a filled buffer over; the first error
+    process of its own, at niceness `nice`. encode_threads: each writer process's threads (or the
+    writer threads' one shared pool of threads) that compress a unit's chunks; 0: min(8, cores). submit() hands a filled buffer over; the first error
     is kept in .error (and unblocks whoever waits on the pool) for the worker's main loop to raise."""
 
     def __init__(self, store: str, layout: sc.Layout, n: int, procs: bool, extra: int, pin: bool,
                  claims=None, rank: int = 0, progress_q=None, clear: bool = True, nice: int = 0,
-                 observer: Observer | None = None):
+                 observer: Observer | None = None, encode_threads: int = 0):
         self.store, self.claims, self.rank, self.progress_q = store, claims, rank, progress_q
         self.n, self.procs, self.clear = n, procs, clear
         self.pool = UnitPool(layout, n + extra, pin, shared=procs)
-        self.writer = st.StoreWriter(store)
+        self.writer = st.StoreWriter(store, encode_threads=encode_threads)
         self.q: queue.Queue = queue.Queue()
         self.error: BaseException | None = None
         self.observer = observer or Observer()
         self.close_s: dict[str, float] = {}
-        self._procs = [WriterProc(store, self.pool, nice) for _ in range(n)] if procs else []
+        self._procs = [WriterProc(store, self.pool, nice, encode_threads) for _ in range(n)] if procs else []
         self._threads = [threading.Thread(target=self.guard(self._loop), args=(i,), daemon=True)
                          for i in range(n)]
         for t in self._threads:
@@ -272,6 +273,7 @@ class UnitWriters:
     def describe(self) -> str:
         gib = self.pool.size * self.pool.slot_bytes / 2 ** 30
         how = f"{self.n} writer {'processes' if self.procs else 'threads'}"
+        how += f" ({self.writer.encode_threads} compressing threads {'each' if self.procs else 'shared'})"
         return f"{how}, {self.pool.size} unit buffers ({gib:,.1f} GiB{' pinned' if self.pool.pinned else ''})"
 
     def fail(self, e: BaseException):

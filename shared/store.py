@@ -102,8 +102,11 @@ class StoreWriter:
     """Every write to a store goes through here: the planner's tokens and index, the workers'
     units (whole shards, then the marker), the finalizer's flags and manifest."""
 
-    def __init__(self, where, root: zarr.Group | None = None, manifest: Manifest | None = None):
+    def __init__(self, where, root: zarr.Group | None = None, manifest: Manifest | None = None,
+                 encode_threads: int = 0):
+        """encode_threads: the threads a unit's chunks are compressed on; 0: min(8, the cores)."""
         self.loc = as_location(where)
+        self.encode_threads = encode_threads or min(8, os.cpu_count() or 1)
         self.path = self.loc.url
         self.root = root if root is not None else zarr.open_group(store=self.loc.zarr_store(), mode="r+")
         if manifest is None:
@@ -120,7 +123,7 @@ class StoreWriter:
     def pool(self) -> ThreadPoolExecutor:
         """The threads a unit's chunks are compressed on (the codecs release the GIL)."""
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(min(8, os.cpu_count() or 1), thread_name_prefix="shard")
+            self._pool = ThreadPoolExecutor(self.encode_threads, thread_name_prefix="shard")
         return self._pool
 
     def shard_encoder(self, name: str) -> "ShardEncoder | None":

@@ -124,6 +124,17 @@ def test_writer_processes_write_the_same_store(tiny, reference, tmp_path):
     assert isinstance(w.error, RuntimeError) and "unit 1000000" in str(w.error)
 
 
+def test_writer_processes_compress_on_their_share_of_the_cores(tiny, reference):
+    """Each writer process compresses a unit's chunks on the cores the writers have (cores - 2)
+    over the writers, 1 to 8 threads; writer threads share one pool (0: min(8, cores))."""
+    from extract.worker import encode_threads, writer_count
+    cfg = extract_cfg(tiny, "unused")
+    assert [encode_threads(16, writer_count(cfg, 16, True), True), encode_threads(16, 14, True),
+            encode_threads(16, 1, True), encode_threads(64, 4, True), encode_threads(3, 1, True)] == [2, 1, 8, 8, 2]
+    assert encode_threads(16, 8, False) == 0
+    assert st.StoreWriter(reference[0], encode_threads=3).pool._max_workers == 3
+
+
 def test_a_shared_pool_that_does_not_fit_is_a_clear_error(tiny, reference, monkeypatch):
     import errno
     import os
