@@ -199,7 +199,9 @@ class BF16Planes(Codec):
         want = row + (k + 1) // 2 if split == 2 else n
         if a.size != want:
             raise ValueError(f"{NAME}: plane A holds {a.size} bytes, the header says {want}")
-        res = np.empty(2 * n, dtype=np.uint8) if out is None else np.frombuffer(out, dtype=np.uint8)
+        res = np.empty(2 * n, dtype=np.uint8) if out is None else _bytes(out)
+        if res.size != 2 * n:
+            raise ValueError(f"{NAME}: the chunk holds {n} values, the output has room for {res.size // 2}")
         if SPLITS[split] == "window":
             esc = np.frombuffer(mv[start + m:start + m + 5 * n_esc], dtype=np.uint8)
             _window_decode(a, esc, rest, k, row, res[:2 * k].view("<u2"))

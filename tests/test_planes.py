@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from shared.planes import BF16Planes, BF16PlanesCodec
+from shared.planes import SPLITS, BF16Planes, BF16PlanesCodec
 
 
 def every_kind_of_bf16(n=50_000):
@@ -182,3 +182,18 @@ def test_a_window_chunk_stores_no_rows_of_zeros_at_its_end():
     assert empty < 200 and part < 0.6 * full
     for a in (half, zero):
         assert np.array_equal(np.frombuffer(c.decode(c.encode(a)), np.uint16), a.reshape(-1))
+
+
+@pytest.mark.parametrize("split", SPLITS)
+def test_decoding_into_an_output_of_another_size_is_an_error(split):
+    """A chunk decoded into a buffer (the shard reader's in-place decode) must fill it exactly:
+    one larger or smaller is refused, not left partly written."""
+    v = np.arange(64 * 8, dtype=np.uint16).reshape(64, 8)
+    c = BF16Planes(1, split, 8)
+    e = c.encode(v)
+    out = np.full((64, 8), 7, np.uint16)
+    c.decode(e, out=out)
+    assert np.array_equal(out, v)
+    for rows in (63, 65):
+        with pytest.raises(ValueError, match="room for"):
+            c.decode(e, out=np.empty((rows, 8), np.uint16))
