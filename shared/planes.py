@@ -30,7 +30,9 @@ Two faces, one format: `BF16Planes` is a numcodecs codec (`numcodecs.get_codec({
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import struct
+import sys
 import threading
 from dataclasses import dataclass
 from functools import cached_property
@@ -56,6 +58,24 @@ def _bytes(buf) -> np.ndarray:
     return ensure_contiguous_ndarray(buf).reshape(-1).view(np.uint8)
 
 
+def _kernel():
+    """shared/window.c loaded (shared/native.py), or None: the numpy code below, same bytes."""
+    global _KERNEL
+    if _KERNEL is None:
+        from shared.native import load
+        lib = load("window") if sys.byteorder == "little" else None  # (it stores the format's bytes as they lie)
+        if lib is not None:
+            p, i64 = ctypes.c_void_p, ctypes.c_int64
+            lib.window_used.argtypes, lib.window_used.restype = (p, i64, i64), i64
+            lib.window_encode.argtypes, lib.window_encode.restype = (p, i64, i64, p, p, p, p, p, p, p), i64
+            lib.window_decode.argtypes, lib.window_decode.restype = (p, p, p, i64, p, i64, i64, p), ctypes.c_int
+        _KERNEL = lib if lib is not None else False
+    return _KERNEL or None
+
+
+_KERNEL = None
+
+
 class _Scratch(threading.local):
     """Work arrays for the window split, one set per thread, kept for the next chunk of the same
     size: numpy takes a new array over 128 KiB from a fresh mmap, and its page faults cost more
@@ -67,11 +87,28 @@ class _Scratch(threading.local):
             self.key, self.a = (n, row), {
                 "u16": np.empty(n, np.uint16),
                 "nib": np.empty(2 * half, np.uint8), "b8": np.empty(n, np.uint8),
-                "plane": np.empty(row + half, np.uint8), "h1": np.empty(half, np.uint16), "h2": np.empty(half, np.uint16)}
+                "plane": np.empty(row + half, np.uint8), "h1": np.empty(half, np.uint16), "h2": np.empty(half, np.uint16),
+                # the compiled encoder's escapes and scratch
+                "esc": np.empty(4 * n, np.uint8), "exp": np.empty(n, np.uint8), "lo": np.empty(row, np.uint8),
+                "cols": np.empty(row, np.uint32)}
         return self.a
 
 
 _SCRATCH = _Scratch()
+
+
+def _native_encode(lib, v: np.ndarray, row: int, zstd: Zstd) -> bytes:
+    """_window_encode's bytes from shared/window.c: one call for the split, one for zstd, both
+    without the interpreter lock."""
+    n = v.size
+    k = lib.window_used(v.ctypes.data, n, row)
+    s = _SCRATCH.arrays(k, row)
+    plane, nib, pb, esc, exp = s["plane"], s["nib"], s["b8"], s["esc"], s["exp"]
+    n_esc = lib.window_encode(v.ctypes.data, k, row, plane.ctypes.data, pb.ctypes.data, esc.ctypes.data,
+                              exp.ctypes.data, s["lo"].ctypes.data, s["cols"].ctypes.data, nib.ctypes.data)
+    packed = zstd.encode(plane) if plane.size else b""
+    head = _HEAD.pack(b"BP", 1, 2, n, len(packed)) + _WIN.pack(row, n_esc, k)
+    return b"".join((head, packed, esc[:4 * n_esc], exp[:n_esc], pb[:k]))
 
 
 def _window_encode(v: np.ndarray, row: int, zstd: Zstd) -> np.ndarray:
@@ -79,6 +116,9 @@ def _window_encode(v: np.ndarray, row: int, zstd: Zstd) -> np.ndarray:
     n = v.size
     row = row if row and n % row == 0 else n  # a chunk that is not whole rows: one row
     row = row if n else 0
+    lib = _kernel()
+    if lib is not None:
+        return _native_encode(lib, np.ascontiguousarray(v), row, zstd)
     # rows of zeros at the end (a unit's unused tail, a chunk past it) are not stored: plane B
     # would keep them raw
     nonzero = v.reshape(-1, row).any(axis=1) if n else np.zeros(0, bool)
@@ -128,6 +168,12 @@ def _window_encode(v: np.ndarray, row: int, zstd: Zstd) -> np.ndarray:
 def _window_decode(a: np.ndarray, esc: np.ndarray, sm: np.ndarray, n: int, row: int, res: np.ndarray):
     """The first n uint16 values of `res` (the stored ones) from plane A (decompressed), the
     escapes and plane B; the caller zeroes the rest."""
+    lib = _kernel()
+    if lib is not None:
+        if lib.window_decode(a.ctypes.data, esc.ctypes.data, esc.ctypes.data + 4 * (esc.size // 5), esc.size // 5,
+                             sm.ctypes.data, n, row, res.ctypes.data):
+            raise ValueError(f"{NAME}: an escape's index is past the chunk's {n} values")
+        return
     s = _SCRATCH.arrays(n, row)
     h1, h2, b8 = s["h1"], s["h2"], s["b8"]
     np.copyto(h1, a[row:])

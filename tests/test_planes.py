@@ -1,15 +1,33 @@
 """The bf16 byte-plane codec (shared/planes.py): lossless for every 16-bit pattern, both splits,
-refuses what is not its own, and plain zarr reads a store written with it."""
+refuses what is not its own, and plain zarr reads a store written with it. Every test runs twice:
+with the window split's compiled passes (shared/window.c) and with its numpy code."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
+import shared.planes as planes
 from shared.planes import SPLITS, BF16Planes, BF16PlanesCodec
+
+
+@pytest.fixture(autouse=True, params=["compiled", "numpy"])
+def window_code(request, monkeypatch):
+    """The window split through shared/window.c, then through numpy: the same bytes either way
+    (the rule written out below checks both)."""
+    if request.param == "numpy":
+        monkeypatch.setattr(planes, "_KERNEL", False)
+    else:
+        import shutil
+        if not (os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")):
+            pytest.skip("no C compiler on this machine: the numpy code is what runs here")
+        monkeypatch.setattr(planes, "_KERNEL", None)
+        assert planes._kernel() is not None, "shared/window.c did not build (its reason is in the log above)"
+    return request.param
 
 
 def every_kind_of_bf16(n=50_000):
@@ -197,3 +215,4 @@ def test_decoding_into_an_output_of_another_size_is_an_error(split):
     for rows in (63, 65):
         with pytest.raises(ValueError, match="room for"):
             c.decode(e, out=np.empty((rows, 8), np.uint16))
+
