@@ -27,10 +27,12 @@ from concurrent.futures import Executor
 import google_crc32c
 import numpy as np
 import zarr
+from numcodecs.zstd import Zstd
 from zarr.codecs import Crc32cCodec
 
 from shared.compression import numcodec, token_axis_shards
 from shared.location import Location
+from shared.planes import BF16Planes
 
 
 class DamagedShard(ValueError):
@@ -39,6 +41,36 @@ class DamagedShard(ValueError):
 
 
 _EMPTY = np.uint64(2**64 - 1)  # an index entry of a chunk never written (zarr: offset and length all ones)
+
+
+def zstd_content_size(b) -> int | None:
+    """The decompressed size a zstd frame's header states (RFC 8878, 3.1.1.1), None where it
+    states none: numcodecs' zstd decodes into a larger buffer's start without a word, so a chunk
+    decoded into a kept buffer is checked against this first."""
+    if len(b) < 6 or bytes(b[:4]) != b"\x28\xb5\x2f\xfd":
+        return None
+    fhd = b[4]
+    fcs_flag, single, did_flag = fhd >> 6, (fhd >> 5) & 1, fhd & 3
+    at = 5 + (0 if single else 1) + (0, 1, 2, 4)[did_flag]  # past the window descriptor and dictionary id
+    width = (1 if single else 0, 2, 4, 8)[fcs_flag]
+    if width == 0 or len(b) < at + width:
+        return None
+    size = int.from_bytes(bytes(b[at:at + width]), "little")
+    return size + 256 if width == 2 else size
+
+
+class _Scratch(threading.local):
+    """A chunk-sized buffer per thread that one-step chains decode into: a fresh one per chunk
+    took new pages each time (glibc maps blocks this size afresh), and a loader worker read the
+    window codec's rows at half speed in some processes (BENCHMARKS.md, "Ninth session")."""
+
+    def get(self, nbytes: int) -> np.ndarray:
+        if getattr(self, "buf", None) is None or self.buf.size != nbytes:
+            self.buf = np.empty(nbytes, np.uint8)
+        return self.buf
+
+
+_SCRATCH = _Scratch()
 
 
 def _crc_ok(b: memoryview) -> bool:
@@ -105,11 +137,26 @@ class ShardReader:
                 self._indexes.popitem(last=False)
         return index
 
+    def _fits(self, d, payload: memoryview) -> bool:
+        """Whether decoder d decodes this chunk into a chunk-sized buffer exactly (the window
+        codec checks its size itself, and refuses any other)."""
+        if isinstance(d, Zstd):
+            return zstd_content_size(payload) == self.chunk_bytes
+        return isinstance(d, BF16Planes)
+
     def _decode(self, b: memoryview, shard: int, chunk: int) -> np.ndarray:
+        """The chunk's rows; a view of this thread's scratch buffer where the codec decodes into it
+        (used before the thread's next decode)."""
         if len(b) < 4 or not _crc_ok(b):
             raise DamagedShard(f"{self._where(shard)}, chunk {chunk}: crc32c mismatch (damaged bytes); "
                                f"re-extract this unit")
         out = b[:-4]
+        if len(self.decoders) == 1 and self._fits(self.decoders[0], out):
+            try:
+                out = self.decoders[0].decode(out, out=_SCRATCH.get(self.chunk_bytes))
+            except ValueError as e:  # the window codec: a chunk of another size
+                raise DamagedShard(f"{self._where(shard)}, chunk {chunk}: {e}") from None
+            return out.view(self.dtype).reshape((self.chunk_rows,) + self.row_shape)
         for d in self.decoders:
             out = d.decode(out)
         a = np.frombuffer(out, np.uint8)

@@ -9,7 +9,7 @@ import pytest
 
 from shared import compression as cx
 from shared import store as st
-from shared.shards import DamagedShard, ShardReader
+from shared.shards import DamagedShard, ShardReader, zstd_content_size
 from tests.test_store import _manifest, _unit
 
 SHARD, CHUNK = 256, 64
@@ -181,3 +181,30 @@ def test_loader_workers_share_the_cores(store, monkeypatch):
     loader.make_loader(ds, 1, 0, 2, False)
     assert ds.decode_threads == 2 and ds.store.decode_threads == 2
     assert ds.store._decode_pool()._max_workers == 2
+
+
+def test_the_zstd_frame_header_gives_the_decoded_size():
+    """What decoding a chunk into a kept buffer checks first (numcodecs' zstd fills a larger
+    buffer's start without a word): every width of the header's size field, as numcodecs writes."""
+    from numcodecs.zstd import Zstd
+    rng = np.random.default_rng(0)
+    for n in (1, 255, 256, 300, 65_791, 65_792, 70_000, 3_276_800):
+        for data in (np.zeros(n, np.uint8), rng.integers(0, 256, n, dtype=np.uint8)):
+            assert zstd_content_size(Zstd(level=1).encode(data)) == n, n
+    assert zstd_content_size(b"\x00" * 16) is None
+
+
+@pytest.mark.parametrize("codec", ["zstd1", "bf16-window"])
+def test_a_chunk_of_another_size_is_an_error(tmp_path, codec):
+    """A chunk that decodes to another size than the array's chunks (a store written with another
+    layout) is an error naming it, never a kept buffer's stale bytes."""
+    w = st.create(tmp_path / "s", _manifest("bf16", codec, 1, 128, 64))
+    st.write_unit(w, 0, _unit(w.layout, 0), {})
+    w.publish()
+    s = st.Store(tmp_path / "s", require_complete=False)
+    name = "features/hidden"
+    r = ShardReader.for_array(s.loc, name, s.array(name))
+    r.read(0, 64)  # a chunk-sized buffer kept by this thread
+    r.chunk_bytes += 2  # as if the array's chunks were larger than the ones stored
+    with pytest.raises(DamagedShard, match=r"chunk 0: "):
+        r.read(0, 64)
