@@ -35,7 +35,7 @@ class ExtractConfig:
                                        "<think>); without it a row with reasoning is refused as thinking_mismatch "
                                        "when the template options turn thinking off")
     precision: Literal["bf16", "fp8"] = opt("bf16", "bf16 (lossless) or fp8 (e4m3, a float32 scale per token and layer)")
-    codec: str = opt("zstd1", f"compressor of the hidden states: {', '.join(CODECS)}")
+    codec: str = opt("bf16-window", f"compressor of the hidden states: {', '.join(CODECS)}")
     topk: int = opt(16, "top-k of the target's distribution kept per token")
     batch_tokens: int = opt(16384, "padded tokens per forward")
     max_batch: int = opt(64, "sequences per forward")

@@ -45,11 +45,11 @@ def _blosc(cname: str, level: int):
 
 # ratios: bf16 hidden states, fp8 bytes (bench/codec_bench.py on the real store, BENCHMARKS.md)
 TABLE = {c.name: c for c in (
-    Codec("zstd1", lambda itemsize, row: (ZstdCodec(level=1),), (1.23, 1.17)),  # the default
-    # the exponents as 4-bit offsets in a window per (layer, channel), zstd1; sign and mantissa
-    # raw (shared/planes.py); fp8 stores: zstd1. Not the default: faster than zstd1 on one
-    # thread; on a 16-core GPU host as fast per core in the writer processes, 0.80-1.01x zstd1 in
-    # the loader (BENCHMARKS.md, "The window split", "Ninth session")
+    Codec("zstd1", lambda itemsize, row: (ZstdCodec(level=1),), (1.23, 1.17)),
+    # the default: the exponents as 4-bit offsets in a window per (layer, channel), zstd1; sign
+    # and mantissa raw (shared/planes.py, its passes compiled from shared/window.c); fp8 stores:
+    # zstd1. 0.676 of raw bf16 on real features; faster than zstd1 per core, on threads too
+    # (BENCHMARKS.md, "The window split", "Ninth session")
     Codec("bf16-window", lambda itemsize, row: (BF16PlanesCodec(level=1, split="window", row=row),)
           if itemsize == 2 else (ZstdCodec(level=1),), (1.47, 1.17)),
     # the exponent plane zstd1, the sign+mantissa plane raw (shared/planes.py); fp8 stores: zstd1
