@@ -21,6 +21,10 @@ values per row, the escape count and the values stored (uint32 each; the values 
 zeros); plane A (a zstd frame); for "window" the escapes (uint32 indices, then uint8 exponents);
 plane B.
 
+The window split runs as compiled C (shared/window.c, built on first use by shared/native.py),
+one call a chunk without the interpreter lock; where it does not build, the numpy code below gives
+the same bytes (slower on threads: each of its ~30 calls a chunk takes the lock back).
+
 Two faces, one format: `BF16Planes` is a numcodecs codec (`numcodecs.get_codec({"id":
 "dflash.bf16_planes", ...})`), `BF16PlanesCodec` the zarr v3 bytes-to-bytes codec named
 "dflash.bf16_planes". zarr finds it by its entry point (group `zarr.codecs`, pyproject.toml): plain
