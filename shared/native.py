@@ -1,6 +1,7 @@
 """Our C kernels (shared/<name>.c), built on first use with the system's C compiler and loaded
 with ctypes, whose calls run without the interpreter lock. The built library is cached by the
-source's hash (DFLASH_CACHE, else $XDG_CACHE_HOME/dflash or ~/.cache/dflash, then native/); a
+source's hash (DFLASH_CACHE, else $XDG_CACHE_HOME/dflash or ~/.cache/dflash, then native/; the
+temporary folder where that cannot be made); a
 build goes to a temporary file renamed into place, so processes that build at once (extraction's
 writer processes) never load half a file. Where nothing builds (no compiler, a read-only cache),
 load() is None once per process and callers keep their numpy path, which gives the same bytes
@@ -58,7 +59,12 @@ def _build(name: str) -> ctypes.CDLL | None:
     key = hashlib.sha256(src.read_bytes() + " ".join((cc, *FLAGS, platform.machine())).encode()).hexdigest()[:16]
     out = cache_dir() / f"{name}-{key}.so"
     if not out.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+        except OSError:  # a read-only home: the machine's temporary folder, per user
+            out = Path(tempfile.gettempdir()) / f"dflash-native-{os.getuid()}" / out.name
+            out.parent.mkdir(parents=True, exist_ok=True)
+    if not out.exists():
         fd, tmp = tempfile.mkstemp(prefix=f".{name}-", suffix=".so", dir=out.parent)
         os.close(fd)
         try:
