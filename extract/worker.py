@@ -96,6 +96,12 @@ class _OnThread(threading.Thread):
         return self.value
 
 
+def writer_cores(cores: int) -> int:
+    """The cores a worker's writers have: all but two, left for the forward's host work and the
+    collector (at least 2)."""
+    return max(2, cores - 2)
+
+
 def writer_count(cfg: ExtractConfig, cores: int, procs: bool) -> int:
     """--writers, or from the cores this worker has, two left for the forward's host work and the
     collector. Threads: at most 8 (on a 16-core H200 host 4, 8 and 16 threads wrote at the same
@@ -104,16 +110,16 @@ def writer_count(cfg: ExtractConfig, cores: int, procs: bool) -> int:
     holds one unit buffer (pinned memory on a GPU)."""
     if cfg.writers > 0:
         return cfg.writers
-    free = max(2, cores - 2)
+    free = writer_cores(cores)
     return max(1, free // 2) if procs else min(8, free)
 
 
 def encode_threads(cores: int, writers: int, procs: bool) -> int:
     """The threads each writer process compresses a unit's chunks on: its share of the cores the
-    writers have (as writer_count leaves them), 1 to 8. Each process had 8 before: on 16 cores 7
+    writers have (writer_cores), 1 to 8. Each process had 8 before: on 16 cores 7
     processes then ran 56 threads, and a numpy codec's threads in one process queue for its
     interpreter lock (BENCHMARKS.md, "Ninth session"). Writer threads share one pool: 0, min(8, cores)."""
-    return max(1, min(8, max(2, cores - 2) // max(1, writers))) if procs else 0
+    return max(1, min(8, writer_cores(cores) // max(1, writers))) if procs else 0
 
 
 def writer_procs(cfg: ExtractConfig, device: torch.device) -> bool:
@@ -129,8 +135,9 @@ class Worker:
         self.cfg, self.rank, self.world, self.device = cfg, rank, world, device
         self.claims = claims  # None: the units given to run() are this worker's alone (benchmarks)
         self.procs = writer_procs(cfg, device)
-        self.writers = writer_count(cfg, cores or os.cpu_count() or 1, self.procs)
-        self.encode_threads = encode_threads(cores or os.cpu_count() or 1, self.writers, self.procs)
+        cores = cores or os.cpu_count() or 1
+        self.writers = writer_count(cfg, cores, self.procs)
+        self.encode_threads = encode_threads(cores, self.writers, self.procs)
         self.progress_q = progress_q
         self.model = model  # benchmarks pass a model built in memory; otherwise loaded from cfg.target
         self.reader = st.Store(cfg.store, require_complete=False)

@@ -138,8 +138,8 @@ class ShardReader:
         return index
 
     def _fits(self, d, payload: memoryview) -> bool:
-        """Whether decoder d decodes this chunk into a chunk-sized buffer exactly (the window
-        codec checks its size itself, and refuses any other)."""
+        """Whether decoder d decodes this chunk into a chunk-sized buffer exactly (zstd: its
+        frame's stated size; the bf16 planes codec checks its size itself, and refuses any other)."""
         if isinstance(d, Zstd):
             return zstd_content_size(payload) == self.chunk_bytes
         return isinstance(d, BF16Planes)

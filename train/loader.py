@@ -11,7 +11,6 @@ number of loader workers.
 from __future__ import annotations
 
 import os
-
 from dataclasses import dataclass
 
 import numpy as np
